@@ -1,0 +1,36 @@
+"""cagrad: a compiled autograd for PyTorch, written in Python.
+
+Inside ``with cagrad.enable(compiler_fn):`` every backward pass is walked,
+keyed node by node (:class:`CacheKey`), looked up in a shadow-graph cache,
+and on a miss traced whole into one FX graph that ``compiler_fn`` compiles.
+See DESIGN.md for the architecture; the modules map onto it:
+
+=====================  =====================================================
+``graph_task``         GraphTask: dependencies, ``inputs=``, eager's order
+``ready_queue``        the engine's priority queue, ties included
+``node_schema``        what each node type saves, and what Python can't see
+``compiled_node_args`` CompiledNodeArgs: one node's key and lifted tensors
+``cache_key``          CacheKey and its byte encoding
+``cache``              CacheNode trie, compiled entries, fallback verdicts
+``saved_variables``    SavedTensorHolder and SwapSavedVariables
+``hooks_census``       finding every hook a backward would run
+``compiler``           AutogradCompilerInstance: the trace
+``validate``           the engine's validate_outputs, traced
+``accumulate``         AccumulateGrad semantics for ``.grad``
+``runtime``            the runtime wrapper around a compiled graph
+``compiled_backward``  one backward: collect, look up, capture, run
+``engine``             the stand-in for torch's autograd engine
+``backends``           compiler_fn resolution
+``counters``           counters and fallback reasons
+=====================  =====================================================
+"""
+
+from . import hooks_census as _hooks_census
+from .api import Capture, capture, enable, reset
+from .cache_key import CacheKey
+from .counters import counters
+from .errors import Unsupported
+
+_hooks_census.install()
+
+__all__ = ["CacheKey", "Capture", "Unsupported", "capture", "counters", "enable", "reset"]

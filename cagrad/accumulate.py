@@ -1,0 +1,96 @@
+"""AccumulateGrad: how a leaf's gradient lands in ``.grad``.
+
+Follows ``AccumulateGrad::accumulateGrad`` (torch/csrc/autograd/functions/
+accumulate_grad.h) for dense tensors with grad mode off, which is every
+backward cagrad compiles (``create_graph=True`` falls back):
+
+* ``.grad`` unset: the new gradient becomes ``.grad`` itself when nothing
+  else refers to it and it obeys the gradient layout contract; otherwise a
+  copy laid out by the contract does (``clone_obey_contract``).
+* ``.grad`` set: the new gradient is added into it in place, so a reference
+  to ``.grad`` held elsewhere (an optimizer's) sees the sum.
+
+The layout contract (``obeys_layout_contract`` in
+torch/csrc/autograd/utils/grad_layout_contract.h): for a leaf whose strides
+are non-overlapping and dense, ``.grad`` has the leaf's strides (dims of size
+1 excepted, but never stride 0); otherwise ``.grad`` is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once.
+
+    Same rule as ``TensorImpl::compute_non_overlapping_and_dense``: sorted by
+    stride, each dimension of size 2 or more must have the stride of the
+    product of the sizes before it; dimensions of size 0 or 1 do not count.
+    A contiguous tensor (any tensor with no elements included) qualifies, as
+    in ``TensorImpl::refresh_contiguous``.
+    """
+    if t.is_contiguous():
+        return True
+    if t.dim() == 1:
+        return t.size(0) < 2 or t.stride(0) == 1
+    dims = sorted(
+        (d for d in range(t.dim()) if t.size(d) >= 2),
+        key=lambda d: t.stride(d),
+    )
+    expected = 1
+    for d in dims:
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
+    if variable.is_nested or grad.is_sparse or variable.is_sparse:
+        return False
+    if is_non_overlapping_and_dense(variable):
+        for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):
+            if size != 1:
+                if gs != vs:
+                    return False
+            elif gs == 0:
+                return False
+        return True
+    return grad.is_contiguous()
+
+
+def clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
+    if is_non_overlapping_and_dense(variable):
+        out = grad.new_empty_strided(variable.shape, variable.stride())
+        return out.copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool) -> None:
+    """Adds ``grad`` into ``variable.grad`` as eager's AccumulateGrad does.
+
+    Args:
+        variable: a leaf tensor that requires grad.
+        grad: its gradient: same shape, dtype and device as ``variable``
+            (``validate_outputs`` made it so).
+        stealable: True when no other tensor shares ``grad``'s storage, so it
+            may become ``.grad`` without a copy.
+
+    Raises:
+        RuntimeError: from the ``.grad`` setter if ``grad`` does not match
+            ``variable`` (cannot happen after ``validate_outputs``).
+    """
+    if not variable.requires_grad:
+        return  # requires_grad was switched off after the forward
+    with torch.no_grad():
+        old = variable.grad
+        if old is None:
+            if stealable and obeys_layout_contract(grad, variable):
+                variable.grad = grad
+            else:
+                variable.grad = clone_obey_contract(grad, variable)
+        elif old.is_sparse and not grad.is_sparse:
+            variable.grad = grad + old
+        else:
+            old.add_(grad)

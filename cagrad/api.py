@@ -1,0 +1,120 @@
+"""The public API: enable, reset, capture."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.fx
+
+from . import engine
+from .backends import CompilerFn
+from .cache_key import CacheKey
+from .compiled_backward import check_supported_mode, collect_backward, trace
+from .counters import counters
+
+
+@contextlib.contextmanager
+def enable(compiler_fn: CompilerFn = "inductor", dynamic: bool = True) -> Iterator[None]:
+    """Runs every backward started inside the context through cagrad.
+
+    ``Tensor.backward``, ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` walk the autograd graph, look its cache keys up,
+    and on a miss trace the whole backward into one FX graph that
+    ``compiler_fn`` compiles; on a hit they re-collect the inputs and call the
+    compiled graph. Gradients and ``.grad`` updates are eager's. A backward
+    cagrad cannot compile runs in eager autograd, counted in
+    ``cagrad.counters["fallbacks"]`` with its reason.
+
+    Args:
+        compiler_fn: a ``torch.compile`` backend name (``"eager"``,
+            ``"aot_eager"``, ``"inductor"``, ...) or a callable
+            ``torch.fx.GraphModule -> callable``. The callable gets graphs
+            with the signature ``(inputs, sizes, scalars, hooks,
+            packed_inputs)`` (lists) returning a list of gradients.
+        dynamic: reserved for symbolic sizes; in this version sizes are
+            static and part of the cache key whatever the value (a change of
+            any size is a new capture).
+
+    Contexts nest; the innermost one's compiler is used, and each compiler
+    keeps its own cache until :func:`reset`.
+
+    Raises:
+        TypeError / ValueError: for a ``compiler_fn`` that is neither a
+            registered backend name nor a callable.
+    """
+    state = engine.push(compiler_fn, dynamic)
+    try:
+        yield
+    finally:
+        engine.pop(state)
+
+
+def reset() -> None:
+    """Empties every compiled-graph cache and sets all counters to zero."""
+    engine.clear_caches()
+    counters.clear()
+
+
+@dataclasses.dataclass
+class Capture:
+    """What :func:`capture` returns.
+
+    Attributes:
+        graph_module: the backward's FX graph, exactly as a ``compiler_fn``
+            would receive it.
+        cache_keys: one :class:`CacheKey` per autograd node, in the order the
+            engine runs them (a ``GraphRoot`` first when there are several
+            roots).
+        task_key: the key of the backward as a whole (mode, root gradients'
+            metadata, inputs), which precedes ``cache_keys`` in the cache.
+    """
+
+    graph_module: torch.fx.GraphModule
+    cache_keys: list[CacheKey]
+    task_key: CacheKey
+
+
+def capture(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+    inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+) -> Capture:
+    """Traces the backward of ``outputs`` without running it.
+
+    With ``inputs=None`` the backward is that of ``torch.autograd.backward(
+    outputs, grad_outputs)`` (gradients for every leaf); with ``inputs`` it is
+    that of ``torch.autograd.grad(outputs, inputs, grad_outputs)``. Nothing
+    is compiled or run, no ``.grad`` changes, the graph is not released, and
+    the cache and counters are untouched.
+
+    Args:
+        outputs: the roots; each must require grad.
+        grad_outputs: gradients of the roots (implicit ones for scalars).
+        inputs: tensors to differentiate with respect to, or None.
+
+    Raises:
+        cagrad.Unsupported: if the backward cannot be compiled (the reason
+            says why).
+        RuntimeError: for arguments eager autograd rejects.
+    """
+    outs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    if grad_outputs is None:
+        grads: tuple = (None,) * len(outs)
+    elif isinstance(grad_outputs, torch.Tensor):
+        grads = (grad_outputs,)
+    else:
+        grads = tuple(grad_outputs)
+    grads = torch.autograd._make_grads(outs, grads, is_grads_batched=False)
+    ins = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    check_supported_mode(create_graph=False)
+    from .errors import EagerError
+
+    try:
+        collected = collect_backward(outs, grads, ins, accumulate_grad=inputs is None)
+    except EagerError as e:
+        raise e.cause from None
+    traced = trace(collected)
+    return Capture(traced.graph_module, collected.node_keys, collected.task_key)

@@ -1,0 +1,47 @@
+"""compiler_fn: from a backend name or callable to ``GraphModule -> callable``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+import torch.fx
+
+CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
+
+
+def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule], Callable[..., Any]]:
+    """Turns ``compiler_fn`` into a function that compiles a captured graph.
+
+    A string names a ``torch.compile`` backend (``"eager"``, ``"aot_eager"``,
+    ``"inductor"``, or any registered one): the graph is passed to
+    ``torch.compile(gm, backend=name, dynamic=False)``. Sizes are static in
+    the graphs cagrad hands over (every size is in the cache key), so Dynamo
+    is told not to make them dynamic. A callable is used as it is.
+
+    Raises:
+        TypeError: if ``compiler_fn`` is neither.
+        ValueError: if the backend name is not registered with torch.compile.
+    """
+    if isinstance(compiler_fn, str):
+        from torch._dynamo.backends.registry import list_backends
+
+        known = set(list_backends(exclude_tags=())) | {"eager", "aot_eager", "inductor"}
+        if compiler_fn not in known:
+            raise ValueError(
+                f"cagrad: unknown torch.compile backend {compiler_fn!r}; "
+                f"registered: {sorted(known)}"
+            )
+        name = compiler_fn
+
+        def compile_with_backend(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+            return torch.compile(gm, backend=name, dynamic=False)
+
+        return compile_with_backend
+    if callable(compiler_fn):
+        return compiler_fn
+    raise TypeError(
+        "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
+        f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"
+    )

@@ -1,0 +1,197 @@
+"""One backward pass through cagrad: collect, look up, capture, run.
+
+::
+
+    collect_backward   GraphTask + one CacheKey per node + lifted tensors
+    cache lookup       CacheNode trie, per compiler
+    miss               AutogradCompilerInstance.capture -> compiler_fn
+    run                runtime wrapper: compiled fn, .grad, release
+
+Anything unsupported raises :class:`Unsupported` before a side effect, and
+the whole backward runs in eager autograd instead (counted, logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import compiled_node_args
+from .cache import CacheNode, CompiledEntry, FallbackVerdict
+from .cache_key import CacheKey, KeyWriter
+from .compiled_node_args import TensorArgs, write_tensor
+from .compiler import AutogradCompilerInstance, Traced
+from .counters import counters
+from .errors import EagerError, Unsupported
+from .graph_task import GraphTask
+from .runtime import apply_results, call_compiled
+
+log = logging.getLogger("cagrad")
+
+
+@dataclasses.dataclass
+class CollectedBackward:
+    """Everything cagrad reads from one backward before running it.
+
+    Attributes:
+        task: structure and run order.
+        args: lifted tensors (root gradients first).
+        task_key: the ``GraphTask`` key (roots, inputs, mode).
+        node_keys: one CacheKey per node in run order.
+    """
+
+    task: GraphTask
+    args: TensorArgs
+    task_key: CacheKey
+    node_keys: list[CacheKey]
+
+    @property
+    def keys(self) -> list[CacheKey]:
+        return [self.task_key, *self.node_keys]
+
+
+def check_supported_mode(create_graph: bool) -> None:
+    """Raises Unsupported for global modes this version does not compile."""
+    if create_graph:
+        raise Unsupported("create_graph", "backward with create_graph=True builds a differentiable graph")
+    if torch.is_anomaly_enabled():
+        raise Unsupported("anomaly_mode", "anomaly detection checks every node in eager")
+    if torch.is_inference_mode_enabled():
+        raise Unsupported("inference_mode", "backward inside inference mode")
+    if torch.is_autocast_enabled("cpu") or (
+        torch.cuda.is_available() and torch.is_autocast_enabled("cuda")
+    ):
+        raise Unsupported("autocast", "backward inside an autocast region")
+
+
+def collect_backward(
+    tensors: Sequence[torch.Tensor],
+    grad_tensors: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    accumulate_grad: bool,
+) -> CollectedBackward:
+    """Walks the graph in eager's order and collects keys and lifted tensors.
+
+    Raises:
+        Unsupported: something in the graph cannot be compiled.
+        EagerError: eager would raise (see :class:`EagerError`).
+    """
+    task = GraphTask(tensors, inputs, accumulate_grad)
+    args = TensorArgs()
+    w = KeyWriter()
+    w.tag(b"A" if accumulate_grad else b"G")
+    w.size(len(grad_tensors))
+    for i, g in enumerate(grad_tensors):
+        if g is None:
+            raise EagerError(RuntimeError(f"element {i} of gradients tuple is None"))
+        write_tensor(w, g, f"gradient {i} of the roots")
+        args.add(g.detach() if g.requires_grad else g, None)
+    w.size(len(task.output_edges))
+    for fn, input_nr in task.output_edges:
+        call = task.call_of.get(fn) if fn is not None else None
+        if call is None:
+            w.tag(b"N")
+        else:
+            w.size(call.id)
+            w.size(input_nr)
+    node_keys = [compiled_node_args.collect(task, call, args) for call in task.order]
+    return CollectedBackward(task, args, CacheKey("GraphTask", w.getvalue()), node_keys)
+
+
+def trace(collected: CollectedBackward) -> Traced:
+    """Captures ``collected`` into a GraphModule (no compile, no run)."""
+    return AutogradCompilerInstance(
+        collected.task, collected.args, len(collected.task.root_edges)
+    ).capture()
+
+
+@dataclasses.dataclass
+class BackwardCall:
+    """The arguments of ``ImperativeEngine.run_backward``, as given."""
+
+    tensors: Sequence[Any]
+    grad_tensors: Sequence[Any]
+    keep_graph: bool
+    create_graph: bool
+    inputs: Sequence[Any]
+    allow_unreachable: bool
+    accumulate_grad: bool
+
+    def run_eager(self, engine: Any) -> Any:
+        return engine.run_backward(
+            self.tensors,
+            self.grad_tensors,
+            self.keep_graph,
+            self.create_graph,
+            self.inputs,
+            allow_unreachable=self.allow_unreachable,
+            accumulate_grad=self.accumulate_grad,
+        )
+
+
+def run(
+    call: BackwardCall,
+    cache: CacheNode,
+    compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
+    eager_engine: Any,
+) -> Any:
+    """Runs one backward through cagrad, or through eager when it must."""
+    counters.bump("backwards")
+    try:
+        check_supported_mode(call.create_graph)
+        collected = collect_backward(
+            call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad
+        )
+        node = cache.lookup(collected.keys)
+        entry = node.entry
+        if entry is None:
+            entry = _capture(collected, node, compile_graph)
+        elif isinstance(entry, FallbackVerdict):
+            raise Unsupported(entry.reason, entry.detail)
+        else:
+            counters.bump("cache_hits")
+        first_run = entry.calls == 0
+        try:
+            outs = call_compiled(entry, collected.args)
+        except Exception as e:
+            if not first_run:
+                raise
+            # the first call is when torch.compile compiles: a backend failure
+            verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
+            node.entry = verdict
+            raise Unsupported(verdict.reason, verdict.detail) from e
+    except Unsupported as u:
+        counters.record_fallback(u.reason, u.detail)
+        return call.run_eager(eager_engine)
+    except EagerError as e:
+        counters.record_fallback("eager_error", f"eager raises here: {e.cause}")
+        return call.run_eager(eager_engine)
+    return apply_results(
+        entry, collected.task, collected.args, outs, call.keep_graph, call.allow_unreachable
+    )
+
+
+def _capture(
+    collected: CollectedBackward,
+    node: CacheNode,
+    compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
+) -> CompiledEntry:
+    try:
+        traced = trace(collected)
+    except Unsupported as u:
+        node.entry = FallbackVerdict(u.reason, u.detail)
+        raise
+    counters.bump("captures")
+    log.debug("cagrad captured a backward of %d nodes", len(collected.node_keys))
+    try:
+        fn = compile_graph(traced.graph_module)
+    except Exception as e:
+        node.entry = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
+        raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
+    entry = CompiledEntry(fn, traced)
+    node.entry = entry
+    return entry

@@ -1,0 +1,79 @@
+"""Process-wide counters of what cagrad did, readable as ``cagrad.counters``."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+log = logging.getLogger("cagrad")
+
+_INT_KEYS = (
+    "backwards",  # backward passes that entered cagrad
+    "captures",  # backward passes that were traced into a new graph
+    "cache_hits",  # backward passes that reused a compiled graph
+    "fallbacks",  # backward passes run by eager autograd instead
+    "recompiles_shape",  # captures caused by sizes that differ from a cached graph
+    "recompiles_new_node",  # captures caused by a node or attribute never seen there
+)
+
+
+class Counters(Mapping[str, Any]):
+    """A live, read-only view of cagrad's counters.
+
+    Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
+    ``fallbacks``, ``recompiles_shape``, ``recompiles_new_node``, and
+    ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
+    :class:`cagrad.errors.Unsupported`) to the number of backward passes that
+    fell back for it. ``cagrad.reset()`` sets them all to zero in place, so a
+    reference to this object stays valid.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ints: dict[str, int] = dict.fromkeys(_INT_KEYS, 0)
+        self._reasons: collections.Counter[str] = collections.Counter()
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "fallback_reasons":
+            return self._reasons
+        return self._ints[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._ints
+        yield "fallback_reasons"
+
+    def __len__(self) -> int:
+        return len(self._ints) + 1
+
+    def __repr__(self) -> str:
+        return f"Counters({dict(self._ints)}, fallback_reasons={dict(self._reasons)})"
+
+    def bump(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._ints[key] += n
+
+    def record_fallback(self, reason: str, detail: str) -> None:
+        """Counts one backward that eager ran, and logs why."""
+        with self._lock:
+            self._ints["fallbacks"] += 1
+            self._reasons[reason] += 1
+        log.info("cagrad falls back to eager autograd (%s): %s", reason, detail)
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in self._ints:
+                self._ints[key] = 0
+            self._reasons.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain-dict copy, e.g. for deltas around a run."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._ints)
+            out["fallback_reasons"] = dict(self._reasons)
+            return out
+
+
+counters = Counters()

@@ -1,0 +1,91 @@
+"""validate_outputs: what the engine does to every gradient on every edge.
+
+After each node runs, eager autograd checks and adjusts the gradient it sends
+along each valid edge against the input metadata of the edge's target
+(``validate_outputs`` in torch/csrc/autograd/engine.cpp):
+
+* a gradient whose shape differs but from which the expected shape can be
+  reduced by broadcasting is summed down (``at::sum_to``); any other shape is
+  an error;
+* a real gradient for a complex input (or the reverse, for non-floating
+  types) is an error; a different dtype is cast to the expected one;
+* a 0-dim gradient on another device is moved; any other device mismatch is
+  an error.
+
+cagrad applies the same steps to the fake gradients during a trace, so they
+are recorded in the graph, and raises eager's errors at trace time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Edge = tuple[Any, int]
+
+
+def _expandable(shape: Sequence[int], desired: Sequence[int]) -> bool:
+    # at::is_expandable_to(shape, desired)
+    if len(shape) > len(desired):
+        return False
+    for a, b in zip(reversed(shape), reversed(desired)):
+        if a != b and a != 1:
+            return False
+    return True
+
+
+def validate_outputs(
+    name: str, edges: Sequence[Edge], grads: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """The gradients ``name`` hands along ``edges``, checked as eager checks.
+
+    Args:
+        name: the node's name, for error messages.
+        edges: ``(target node or None, input_nr)`` per output.
+        grads: one gradient (or None) per edge.
+
+    Returns:
+        the adjusted gradients.
+
+    Raises:
+        RuntimeError: eager's messages for a wrong number of gradients, an
+            incompatible shape, dtype kind or device.
+    """
+    if len(grads) != len(edges):
+        raise RuntimeError(
+            f"Function {name} returned an invalid number of gradients - "
+            f"expected {len(edges)}, but got {len(grads)}"
+        )
+    out = list(grads)
+    for i, ((fn, input_nr), grad) in enumerate(zip(edges, grads)):
+        if fn is None or grad is None:
+            continue
+        md = fn._input_metadata[input_nr]
+        shape = list(md.shape)
+        if list(grad.shape) != shape:
+            if not _expandable(shape, grad.shape):
+                raise RuntimeError(
+                    f"Function {name} returned an invalid gradient at index {i} - "
+                    f"got {list(grad.shape)} but expected shape compatible with {shape}"
+                )
+            grad = grad.sum_to_size(shape)
+        dtype = md.dtype
+        if not grad.dtype.is_floating_point and dtype.is_complex != grad.dtype.is_complex:
+            raise RuntimeError(
+                f"Function {name} returned an invalid gradient at index {i} - "
+                f"expected dtype {dtype} but got {grad.dtype}"
+            )
+        if grad.dtype != dtype:
+            grad = grad.to(dtype)
+        if grad.device != md.device:
+            if grad.dim() == 0:
+                grad = grad.to(md.device)
+            else:
+                raise RuntimeError(
+                    f"Function {name} returned an invalid gradient at index {i} - "
+                    f"expected device {md.device} but got {grad.device}"
+                )
+        out[i] = grad
+    return out

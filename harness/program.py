@@ -1,0 +1,128 @@
+"""The unit of work the differential oracle runs: a *program*.
+
+A program builds an autograd graph from fresh leaf tensors and says which
+backward to run on it. The oracle calls :meth:`Program.build` once per subject
+(eager autograd, cagrad with each backend, torch's compiled autograd), so every
+subject starts from bit-identical leaves and a graph of its own; ``build`` must
+therefore be deterministic (seed inside it, or build values from a fixed seed).
+
+Two backward modes mirror the two public autograd entry points:
+
+* ``"backward"``: ``torch.autograd.backward(outputs, grad_outputs,
+  inputs=inputs)``; the results compared are the ``.grad`` of every leaf in
+  :attr:`ProgramRun.leaves` (``None`` included: a ``.grad`` that eager leaves
+  unset must stay unset).
+* ``"grad"``: ``torch.autograd.grad(outputs, inputs, grad_outputs,
+  allow_unused=True)``; the results compared are the returned tuple.
+
+Hooks and other observers record into :attr:`ProgramRun.trace`, a list the
+oracle compares between subjects (empty when the program registers none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+BackwardMode = Literal["backward", "grad"]
+
+
+@dataclasses.dataclass
+class ProgramRun:
+    """One built instance of a program, ready for its backward.
+
+    Attributes:
+        leaves: every leaf tensor whose ``.grad`` is compared (any shape and
+            floating dtype; ``requires_grad`` True or False).
+        outputs: the roots of the backward.
+        grad_outputs: one gradient (or ``None`` for a scalar root) per output,
+            or ``None`` for all-implicit gradients.
+        inputs: for mode ``"grad"`` the tensors to differentiate with respect
+            to; for mode ``"backward"`` the optional ``inputs=`` restriction.
+        mode: which entry point runs the backward.
+        retain_graph: passed through to the entry point.
+        repeat: how many times the backward runs on the same graph (values
+            above 1 need ``retain_graph=True``); results are compared after
+            the last one.
+        trace: events appended by hooks during the backward, compared as a
+            list between subjects.
+    """
+
+    leaves: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    grad_outputs: list[torch.Tensor | None] | None = None
+    inputs: list[torch.Tensor] | None = None
+    mode: BackwardMode = "backward"
+    retain_graph: bool | None = None
+    repeat: int = 1
+    trace: list[Any] = dataclasses.field(default_factory=list)
+
+
+@runtime_checkable
+class Program(Protocol):
+    """Anything with a ``name`` and a deterministic ``build(device)``."""
+
+    name: str
+
+    def build(self, device: torch.device) -> ProgramRun:  # pragma: no cover - protocol
+        ...
+
+
+@dataclasses.dataclass
+class CallableProgram:
+    """Adapts a plain function ``device -> ProgramRun`` to :class:`Program`."""
+
+    name: str
+    fn: Callable[[torch.device], ProgramRun]
+
+    def build(self, device: torch.device) -> ProgramRun:
+        return self.fn(device)
+
+
+def program(name: str) -> Callable[[Callable[[torch.device], ProgramRun]], CallableProgram]:
+    """Decorator: ``@program("mlp")`` turns a builder function into a Program."""
+
+    def wrap(fn: Callable[[torch.device], ProgramRun]) -> CallableProgram:
+        return CallableProgram(name, fn)
+
+    return wrap
+
+
+def run_backward(run: ProgramRun) -> tuple[torch.Tensor | None, ...] | None:
+    """Runs the backward that ``run`` describes with whatever engine is active.
+
+    Returns the tuple from ``torch.autograd.grad`` in mode ``"grad"`` and
+    ``None`` in mode ``"backward"``. Raises whatever the engine raises.
+    """
+    result = None
+    for _ in range(max(1, run.repeat)):
+        if run.mode == "grad":
+            if run.inputs is None:
+                raise ValueError("a program in mode 'grad' needs inputs")
+            result = torch.autograd.grad(
+                run.outputs,
+                run.inputs,
+                grad_outputs=run.grad_outputs,
+                retain_graph=run.retain_graph,
+                allow_unused=True,
+            )
+        else:
+            torch.autograd.backward(
+                run.outputs,
+                grad_tensors=run.grad_outputs,
+                retain_graph=run.retain_graph,
+                inputs=run.inputs,
+            )
+    return result
+
+
+def leaf_grads(run: ProgramRun) -> list[torch.Tensor | None]:
+    """The ``.grad`` of every leaf, in order (``None`` where unset)."""
+    return [leaf.grad for leaf in run.leaves]
+
+
+def as_list(x: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
