@@ -28,6 +28,7 @@ from .compiler import AutogradCompilerInstance, Traced
 from .counters import counters
 from .errors import EagerError, Unsupported
 from .graph_task import GraphTask
+from .hooks_census import Census
 from .runtime import apply_results, call_compiled
 
 log = logging.getLogger("cagrad")
@@ -98,7 +99,8 @@ def collect_backward(
         else:
             w.size(call.id)
             w.size(input_nr)
-    node_keys = [compiled_node_args.collect(task, call, args) for call in task.order]
+    census = Census()
+    node_keys = [compiled_node_args.collect(task, call, args, census) for call in task.order]
     return CollectedBackward(task, args, CacheKey("GraphTask", w.getvalue()), node_keys)
 
 

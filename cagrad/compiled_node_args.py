@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from . import hooks_census
 from .cache_key import CacheKey, KeyWriter
 from .errors import EagerError, Unsupported
 from .graph_task import GraphTask, NodeCall
+from .hooks_census import Census
 from .node_schema import NodeKind
 from .saved_variables import UNDEFINED, SavedTensorHolder, saved_tensor, saved_tensor_list
 
@@ -105,7 +105,7 @@ def _write_saved(w: KeyWriter, args: TensorArgs, holder: Any, what: str) -> None
     args.add(t, holder)
 
 
-def collect(task: GraphTask, call: NodeCall, args: TensorArgs) -> CacheKey:
+def collect(task: GraphTask, call: NodeCall, args: TensorArgs, census: Census) -> CacheKey:
     """The CacheKey of ``call``; lifts its saved tensors into ``args``.
 
     Raises:
@@ -131,7 +131,7 @@ def collect(task: GraphTask, call: NodeCall, args: TensorArgs) -> CacheKey:
     if kind is NodeKind.CUSTOM_FUNCTION:
         raise Unsupported("custom_function", f"{schema.name} is a Python autograd.Function backward")
     name = schema.name
-    hooks_census.check(node, call)
+    census.check(node, kind is NodeKind.ACCUMULATE_GRAD)
     if kind is NodeKind.ACCUMULATE_GRAD:
         variable = node.variable
         if variable.grad_fn is not None:

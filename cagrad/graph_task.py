@@ -191,8 +191,7 @@ class GraphTask:
     def _init_to_execute(self) -> None:
         call_of = self.call_of
         for call in self.calls:
-            call.needed = False
-        self.calls[0].needed = True  # the graph root always runs
+            call.needed = False  # the graph root too: it runs only if it leads to an input
         for out_idx, (fn, input_nr) in enumerate(self.output_edges):
             call = call_of.get(fn) if fn is not None else None
             if call is None:

@@ -1,25 +1,31 @@
 """Finding every hook a backward would run.
 
-No public API lists a node's hooks, so cagrad finds them three ways:
+No public API lists a node's hooks, so cagrad watches them being registered
+and looks them up where they live:
 
 * leaf tensors: ``AccumulateGrad.variable`` is the leaf; its
   ``_backward_hooks`` (tensor hooks) and ``_post_accumulate_grad_hooks`` are
-  plain dicts on the tensor.
-* node pre- and post-hooks registered from Python
-  (``grad_fn.register_prehook`` / ``register_hook``): registering a probe hook
-  returns a handle whose ``hooks_dict_ref()`` is the node's one dict of that
-  kind; the probe is removed at once and the dict tells what else is there.
+  plain dicts on the tensor, read on every backward.
+* node pre- and post-hooks (``grad_fn.register_prehook`` /
+  ``register_hook``, C++ nodes and custom Functions alike): the C++ side
+  creates the node's hook dict by calling the Python staticmethod
+  ``torch.autograd.function._HookMixin._register_hook``, which cagrad wraps to
+  keep a weak set of every such dict. Which node holds a dict is only visible
+  by *probing* the node: registering a hook returns a handle whose
+  ``hooks_dict_ref()`` is the node's dict, and the probe is removed at once.
+  A probe costs several microseconds, so cagrad probes only while some node
+  hook dict anywhere is non-empty.
 * hooks on non-leaf tensors (``Tensor.register_hook``, ``retain_grad``): the
-  node holds them in C++ where Python cannot look, so cagrad sees them when
-  they are registered. At import it wraps ``torch.Tensor.register_hook`` and
-  ``torch.Tensor.retain_grad`` to note, in the node's ``metadata``, that the
-  tensor it produced has hooks, and it scans the live tensors (``gc``) once
-  for hooks registered before the import.
+  node holds them in C++, so cagrad wraps those two methods to note, in the
+  node's ``metadata``, that the tensor it produced has hooks, and keeps weak
+  references to the tensors' hook dicts to know whether any are live.
 
-Not visible: hooks added from C++ (extensions calling ``add_hook``), and a
-hook registered before ``import cagrad`` on a non-leaf tensor that was freed
-before the import while its ``grad_fn`` lived on. Import cagrad before
-building graphs that carry such hooks.
+At import, graphs reachable from live tensors are scanned once (``gc``) for
+hooks registered before cagrad was imported.
+
+Not visible: hooks added from C++ (extensions calling ``add_hook``), and
+hooks registered before ``import cagrad`` on a graph that no live tensor
+reached at the import. Import cagrad before building graphs with hooks.
 
 This version compiles no hooks: a backward with any hook falls back to
 eager, counted as ``hooks``.
@@ -28,9 +34,12 @@ eager, counted as ``hooks``.
 from __future__ import annotations
 
 import gc
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
+import torch.autograd.function as _function
 
 from .errors import Unsupported
 
@@ -38,6 +47,34 @@ _TENSOR_HOOKS_KEY = "_cagrad_tensor_hooks"
 
 _original_register_hook = torch.Tensor.register_hook
 _original_retain_grad = torch.Tensor.retain_grad
+_original_node_register_hook = _function._HookMixin._register_hook
+
+
+
+class _LiveDicts:
+    """A weak set of dicts, by identity (dicts are unhashable)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, d: OrderedDict) -> None:
+        key = id(d)
+        if key not in self._refs:
+            refs = self._refs
+            refs[key] = weakref.ref(d, lambda _, key=key: refs.pop(key, None))
+
+    def any_nonempty(self) -> bool:
+        return any(len(r() or ()) for r in list(self._refs.values()))
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+# every node hook dict and tensor hook dict alive, and tensors retaining grad
+_node_hook_dicts = _LiveDicts()
+_tensor_hook_dicts = _LiveDicts()
+_retaining_tensors: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+_probing = False
 
 
 def _note_tensor_hooks(t: torch.Tensor, kind: str) -> None:
@@ -46,12 +83,15 @@ def _note_tensor_hooks(t: torch.Tensor, kind: str) -> None:
         return  # leaf hooks live on the tensor itself
     entries = fn.metadata.setdefault(_TENSOR_HOOKS_KEY, [])
     if kind == "retain_grad":
+        _retaining_tensors.add(t)
         if ("retain_grad", t.output_nr, None) not in entries:
             entries.append(("retain_grad", t.output_nr, None))
         return
     hooks = t._backward_hooks
-    if hooks is not None and not any(e[2] is hooks for e in entries):
-        entries.append(("tensor_pre_hook", t.output_nr, hooks))
+    if hooks is not None:
+        _tensor_hook_dicts.add(hooks)
+        if not any(e[2] is hooks for e in entries):
+            entries.append(("tensor_pre_hook", t.output_nr, hooks))
 
 
 def _register_hook(self: torch.Tensor, hook: Any) -> Any:
@@ -67,6 +107,13 @@ def _retain_grad(self: torch.Tensor) -> None:
         _note_tensor_hooks(self, "retain_grad")
 
 
+def _node_register_hook(backward_hooks: Any, hook: Any) -> Any:
+    hooks, handle = _original_node_register_hook(backward_hooks, hook)
+    if not _probing:
+        _node_hook_dicts.add(hooks)
+    return hooks, handle
+
+
 _register_hook.__doc__ = _original_register_hook.__doc__
 _retain_grad.__doc__ = _original_retain_grad.__doc__
 
@@ -77,47 +124,87 @@ def install() -> None:
         return
     torch.Tensor.register_hook = _register_hook  # type: ignore[method-assign]
     torch.Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
+    _function._HookMixin._register_hook = staticmethod(_node_register_hook)
+    _scan_existing_graphs()
+
+
+def _scan_existing_graphs() -> None:
+    roots = []
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
             if obj._backward_hooks:
                 _note_tensor_hooks(obj, "tensor_pre_hook")
             if obj.retains_grad:
                 _note_tensor_hooks(obj, "retain_grad")
+            roots.append(obj.grad_fn)
+    seen: set[Any] = set()
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for d in node_hook_dicts(node):
+            if d:
+                _node_hook_dicts.add(d)
+        roots.extend(fn for fn, _ in node.next_functions)
 
 
 def _probe(*args: Any) -> None:
     return None
 
 
-def node_hook_dicts(node: Any) -> tuple[dict, dict]:
+def node_hook_dicts(node: Any) -> tuple[OrderedDict, OrderedDict]:
     """The node's dicts of Python pre-hooks and post-hooks (live objects)."""
-    handle = node.register_prehook(_probe)
-    pre = handle.hooks_dict_ref()
-    handle.remove()
-    handle = node.register_hook(_probe)
-    post = handle.hooks_dict_ref()
-    handle.remove()
+    global _probing
+    _probing = True
+    try:
+        handle = node.register_prehook(_probe)
+        pre = handle.hooks_dict_ref()
+        handle.remove()
+        handle = node.register_hook(_probe)
+        post = handle.hooks_dict_ref()
+        handle.remove()
+    finally:
+        _probing = False
     return pre, post
 
 
-def check(node: Any, call: Any) -> None:
-    """Raises Unsupported if ``node`` would run any hook.
+class Census:
+    """What one backward must look for; decided once per backward.
 
-    Raises:
-        Unsupported: with reason ``hooks`` and the kind of hook in the detail.
+    Attributes:
+        probe_nodes: some node hook dict is non-empty somewhere, so every
+            node is probed.
+        tensor_hooks: some non-leaf tensor hook or ``retain_grad`` is live,
+            so every node's notes are read.
     """
-    pre, post = node_hook_dicts(node)
-    name = type(node).__name__
-    if pre or post:
-        raise Unsupported("hooks", f"{name} has node {'pre-' if pre else 'post-'}hooks")
-    entries = node.metadata.get(_TENSOR_HOOKS_KEY)
-    if entries:
-        for kind, _, hooks in entries:
-            if kind == "retain_grad" or hooks:
-                raise Unsupported("hooks", f"a tensor made by {name} has a {kind}")
-    if call.schema.kind.value == "accumulate_grad":
-        variable = node.variable
-        if variable._backward_hooks:
-            raise Unsupported("hooks", "a leaf tensor has a tensor hook")
-        if getattr(variable, "_post_accumulate_grad_hooks", None):
-            raise Unsupported("hooks", "a leaf tensor has a post-accumulate-grad hook")
+
+    __slots__ = ("probe_nodes", "tensor_hooks")
+
+    def __init__(self) -> None:
+        self.probe_nodes = _node_hook_dicts.any_nonempty()
+        self.tensor_hooks = bool(_retaining_tensors) or _tensor_hook_dicts.any_nonempty()
+
+    def check(self, node: Any, is_leaf_sink: bool) -> None:
+        """Raises Unsupported if ``node`` would run any hook.
+
+        Raises:
+            Unsupported: with reason ``hooks`` and the kind in the detail.
+        """
+        name = type(node).__name__
+        if is_leaf_sink:
+            variable = node.variable
+            if variable._backward_hooks:
+                raise Unsupported("hooks", "a leaf tensor has a tensor hook")
+            if getattr(variable, "_post_accumulate_grad_hooks", None):
+                raise Unsupported("hooks", "a leaf tensor has a post-accumulate-grad hook")
+        if self.probe_nodes:
+            pre, post = node_hook_dicts(node)
+            if pre or post:
+                raise Unsupported("hooks", f"{name} has node {'pre-' if pre else 'post-'}hooks")
+        if self.tensor_hooks:
+            entries = node.metadata.get(_TENSOR_HOOKS_KEY)
+            if entries:
+                for kind, _, hooks in entries:
+                    if kind == "retain_grad" or hooks:
+                        raise Unsupported("hooks", f"a tensor made by {name} has a {kind}")
