@@ -51,6 +51,8 @@ _pack_i = struct.Struct("<I").pack
 _pack_q = struct.Struct("<Q").pack
 
 _U64_MAX = (1 << 64) - 1
+_DTYPE_BYTES: dict[torch.dtype, bytes] = {}
+_DEVICE_BYTES: dict[torch.device, bytes] = {}
 _I64_LIMIT = 1 << 63
 
 
@@ -86,6 +88,18 @@ class KeyWriter:
             buf += _pack_q(n)
         else:
             raise Unsupported("key_overflow", f"integer {n} does not fit in 64 bits")
+
+    def sizes(self, seq: Any) -> None:
+        """A count, then each element as :meth:`size` writes it."""
+        n = len(seq)
+        if n < 0xFD and (n == 0 or (max(seq) < 0xFD and min(seq) >= 0)):
+            # every element fits in one byte: the same bytes, written at once
+            self.buf.append(n)
+            self.buf += bytes(seq)
+            return
+        self.size(n)
+        for s in seq:
+            self.size(s)
 
     def tag(self, t: bytes) -> None:
         self.buf += t
@@ -124,15 +138,21 @@ class KeyWriter:
             raise Unsupported("unkeyable_attribute", f"cannot key a saved {type(v).__name__}")
 
     def device(self, d: torch.device) -> None:
-        self.buf.append(0x76)  # "v"
-        self.text(d.type)
-        self.size(0 if d.index is None else d.index + 1)
+        encoded = _DEVICE_BYTES.get(d)
+        if encoded is None:
+            w = KeyWriter()
+            w.buf.append(0x76)  # "v"
+            w.text(d.type)
+            w.size(0 if d.index is None else d.index + 1)
+            encoded = _DEVICE_BYTES[d] = w.getvalue()
+        self.buf += encoded
 
     def dtype(self, d: torch.dtype) -> None:
-        self.buf.append(0x64)  # "d"
-        name = _dtype_name(d)
-        self.size(len(name))
-        self.buf += name
+        encoded = _DTYPE_BYTES.get(d)
+        if encoded is None:
+            name = _dtype_name(d)
+            encoded = _DTYPE_BYTES[d] = b"d" + bytes([len(name)]) + name
+        self.buf += encoded
 
 
 def _write_none(w: KeyWriter, v: Any) -> None:

@@ -13,8 +13,8 @@ Per node the key holds, in order:
 1. the node's discovery id and run flags (needed, captured input slots);
 2. every visible non-tensor attribute (``_saved_<name>``), in name order;
 3. for every saved tensor (and element of a saved tensor list): defined or
-   not, and its metadata (dtype, device, layout, sizes, strides, storage
-   offset, conjugate/negative bits for complex dtypes);
+   not, and its metadata (requires_grad, dtype, device, layout, sizes,
+   strides, storage offset, conjugate/negative bits for complex dtypes);
 4. for every edge: invalid, or the target's discovery id, input number and
    the target's input metadata there (shape, dtype, device). This also
    covers the hidden fields of the ``edge`` policy (see
@@ -34,7 +34,8 @@ from .errors import EagerError, Unsupported
 from .graph_task import GraphTask, NodeCall
 from .hooks_census import Census
 from .node_schema import NodeKind
-from .saved_variables import UNDEFINED, SavedTensorHolder, saved_tensor, saved_tensor_list
+from . import saved_variables
+from .saved_variables import Slot
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -44,19 +45,20 @@ class TensorArgs:
     """The tensors a backward lifts as graph inputs, in collection order.
 
     ``tensors[i]`` is the real tensor for graph input ``inputs[i]``;
-    ``holders[i]`` the :class:`SavedTensorHolder` it came from (``None`` for
-    root gradients), which a trace swaps for its fake.
+    ``slots[i]`` the saved-tensor slot it was read from (``None`` for root
+    gradients): a trace swaps it for its fake, and a backward without
+    ``retain_graph`` releases it.
     """
 
-    __slots__ = ("tensors", "holders")
+    __slots__ = ("tensors", "slots")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.holders: list[SavedTensorHolder | None] = []
+        self.slots: list[Slot | None] = []
 
-    def add(self, t: torch.Tensor, holder: SavedTensorHolder | None) -> int:
+    def add(self, t: torch.Tensor, slot: Slot | None) -> int:
         self.tensors.append(t)
-        self.holders.append(holder)
+        self.slots.append(slot)
         return len(self.tensors) - 1
 
 
@@ -70,15 +72,11 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str) -> None:
         raise Unsupported("tensor_subclass", f"{what} is a {type(t).__name__}")
     if t.layout is not _STRIDED:
         raise Unsupported("non_strided_tensor", f"{what} has layout {t.layout}")
-    w.tag(b"t")
+    w.tag(b"t" if not t.requires_grad else b"r")
     w.dtype(t.dtype)
     w.device(t.device)
-    shape = t.shape
-    w.size(len(shape))
-    for s in shape:
-        w.size(s)
-    for s in t.stride():
-        w.size(s)
+    w.sizes(t.shape)
+    w.sizes(t.stride())
     w.size(t.storage_offset())
     if t.is_complex():
         w.value((t.is_conj(), t.is_neg()))
@@ -88,21 +86,21 @@ def write_input_metadata(w: KeyWriter, fn: Any, input_nr: int, what: str) -> Non
     md = fn._input_metadata[input_nr]
     if md.is_nested_tensor:
         raise Unsupported("nested_tensor", f"{what} receives a nested tensor")
-    shape = md.shape
-    w.size(len(shape))
-    for s in shape:
-        w.size(s)
+    w.sizes(md.shape)
     w.dtype(md.dtype)
     w.device(md.device)
 
 
-def _write_saved(w: KeyWriter, args: TensorArgs, holder: Any, what: str) -> None:
-    if holder is UNDEFINED:
+def _write_saved(
+    w: KeyWriter, args: TensorArgs, value: Any, slot: Slot, what: str, claim: bool
+) -> None:
+    if value is None:
         w.tag(b"N")
         return
-    t = holder.data
-    write_tensor(w, t, what)
-    args.add(t, holder)
+    if claim:
+        saved_variables.claim(slot)
+    write_tensor(w, value, what)
+    args.add(value, slot)
 
 
 def collect(task: GraphTask, call: NodeCall, args: TensorArgs, census: Census) -> CacheKey:
@@ -145,13 +143,15 @@ def collect(task: GraphTask, call: NodeCall, args: TensorArgs, census: Census) -
         return CacheKey(name, w.getvalue())
     for attr in schema.values:
         w.value(getattr(node, "_saved_" + attr))
+    claim = census.claim_slots
     for attr in schema.tensors:
-        _write_saved(w, args, saved_tensor(node, attr), f"{name}.{attr}")
+        value = saved_variables.read(node, attr)
+        _write_saved(w, args, value, (node, attr, -1), f"{name}.{attr}", claim)
     for attr in schema.tensor_lists:
-        holders = saved_tensor_list(node, attr)
-        w.size(len(holders))
-        for i, holder in enumerate(holders):
-            _write_saved(w, args, holder, f"{name}.{attr}[{i}]")
+        values = saved_variables.read(node, attr)
+        w.size(len(values))
+        for i, value in enumerate(values):
+            _write_saved(w, args, value, (node, attr, i), f"{name}.{attr}[{i}]", claim)
     _write_edges(w, task, call)
     if schema.split_sizes:
         _check_split_sizes(node, name)

@@ -40,6 +40,7 @@ from .compiled_node_args import TensorArgs
 from .errors import Unsupported
 from .graph_task import GraphTask, NodeCall
 from .node_schema import NodeKind
+from . import saved_variables
 from .saved_variables import SwapSavedVariables
 from .validate import validate_outputs
 
@@ -124,7 +125,11 @@ class AutogradCompilerInstance:
         track_tensor_tree(
             fakes, [inputs_proxy[i] for i in range(len(fakes))], constant=None, tracer=tracer
         )
-        swapped = [(h, f) for h, f in zip(self.args.holders, fakes) if h is not None]
+        swapped = [
+            (saved_variables.holder(slot), f)
+            for slot, f in zip(self.args.slots, fakes)
+            if slot is not None
+        ]
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(self.fake_mode)

@@ -13,6 +13,7 @@ context puts torch's engine back.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -88,10 +89,16 @@ class CagradEngine:
             return call.run_eager(self._eager)
         with _lock:
             _tls.busy = True
+            # the walk allocates many short-lived objects; a cyclic collection
+            # in the middle of it would scan every live graph for nothing
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
             try:
                 return compiled_backward.run(call, state.cache, state.compile_graph, self._eager)
             finally:
                 _tls.busy = False
+                if gc_was_enabled:
+                    gc.enable()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._eager, name)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.autograd.function as _function
 
+from . import saved_variables
 from .errors import Unsupported
 
 _TENSOR_HOOKS_KEY = "_cagrad_tensor_hooks"
@@ -125,10 +126,11 @@ def install() -> None:
     torch.Tensor.register_hook = _register_hook  # type: ignore[method-assign]
     torch.Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
     _function._HookMixin._register_hook = staticmethod(_node_register_hook)
-    _scan_existing_graphs()
+    saved_variables.install(graphs_alive_at_import=_scan_existing_graphs())
 
 
-def _scan_existing_graphs() -> None:
+def _scan_existing_graphs() -> bool:
+    """Notes hooks on graphs alive now; returns whether any graph is alive."""
     roots = []
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
@@ -147,6 +149,7 @@ def _scan_existing_graphs() -> None:
             if d:
                 _node_hook_dicts.add(d)
         roots.extend(fn for fn, _ in node.next_functions)
+    return bool(seen)
 
 
 def _probe(*args: Any) -> None:
@@ -177,11 +180,14 @@ class Census:
             node is probed.
         tensor_hooks: some non-leaf tensor hook or ``retain_grad`` is live,
             so every node's notes are read.
+        claim_slots: saved-tensor slots may carry foreign pack hooks, so
+            each is claimed while collected (see :mod:`cagrad.saved_variables`).
     """
 
-    __slots__ = ("probe_nodes", "tensor_hooks")
+    __slots__ = ("probe_nodes", "tensor_hooks", "claim_slots")
 
     def __init__(self) -> None:
+        self.claim_slots = saved_variables.must_claim()
         self.probe_nodes = _node_hook_dicts.any_nonempty()
         self.tensor_hooks = bool(_retaining_tensors) or _tensor_hook_dicts.any_nonempty()
 

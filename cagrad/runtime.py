@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import saved_variables
 from .accumulate import accumulate_grad
 from .cache import CompiledEntry
 from .compiled_node_args import TensorArgs
@@ -47,9 +48,9 @@ def apply_results(
     """
     traced = entry.traced
     if not keep_graph:
-        for holder in args.holders:
-            if holder is not None:
-                holder.release()
+        for slot in args.slots:
+            if slot is not None:
+                saved_variables.release(slot)
     stealable = [not a for a in traced.aliases_input]
     seen: set[int] = set()
     for i, out in enumerate(outs):

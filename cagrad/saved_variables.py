@@ -1,30 +1,36 @@
-"""Saved tensors: owning them, swapping them during a trace, releasing them.
+"""Saved tensors: reading them, swapping them during a trace, releasing them.
 
-A generated node keeps each saved tensor in a C++ ``SavedVariable``. Its
-Python handle ``node._raw_saved_x`` has ``register_hooks(pack, unpack)``:
-``pack`` runs at once with the tensor and the ``SavedVariable`` keeps only
-what ``pack`` returned; every later unpack, by the node's own backward or by
-``node._saved_x``, calls ``unpack``. cagrad packs each saved tensor into a
-:class:`SavedTensorHolder`, which makes it
+A generated node keeps each saved tensor in a C++ ``SavedVariable``. Python
+reads it as ``node._saved_x``: that runs eager's own unpack, with eager's
+checks (a tensor modified in place since it was saved, a graph already
+released), so cagrad reads every saved tensor that way and lifts the result
+as a graph input.
 
-* liftable: the holder's tensor is a graph input on every backward;
-* swappable: during a trace :class:`SwapSavedVariables` makes ``unpack``
-  return the fake tensor bound to the graph input, so calling the node
-  records its backward formula over that input (the role of
-  ``SwapSavedVariables`` in torch/csrc/dynamo/compiled_autograd.h);
-* releasable: after a backward without ``retain_graph`` the holder drops its
-  tensor, and a later unpack raises eager's "backward through the graph a
-  second time" error.
+``node._raw_saved_x.register_hooks(pack, unpack)`` (allowed once per
+``SavedVariable``) is how cagrad acts on a slot:
 
-Eager checks a saved tensor's version counter only for ``SavedVariable``\\ s
-without hooks, so the holder does the check itself. Before packing, reading
-``node._saved_x`` runs eager's own check once (a tensor modified in place
-before the first backward raises there, with eager's message).
+* swap, during a trace: a :class:`SavedTensorHolder` is packed into the slot,
+  and :class:`SwapSavedVariables` makes its ``unpack`` return the fake tensor
+  bound to the graph input, so calling the node records its backward formula
+  over that input (the role of ``SwapSavedVariables`` in
+  torch/csrc/dynamo/compiled_autograd.h). Outside a trace the holder returns
+  the real tensor, checking the version counter itself, since eager skips
+  that check for ``SavedVariable``\\ s with hooks.
+* release, after a backward without ``retain_graph``: a slot without a
+  holder gets hooks whose ``pack`` keeps nothing and whose ``unpack`` raises
+  eager's "backward through the graph a second time" error; a slot with a
+  holder has the holder drop its tensor.
 
-The C++ ``SavedVariable`` owns the holder; the node's ``metadata`` dict keeps
-only a weak reference. When eager autograd releases the node's variables
-(``release_variables`` drops the hooks), the holder dies with them and cagrad
-sees the graph as freed, as eager does.
+The node's ``metadata`` dict keeps only weak references to holders; the
+``SavedVariable`` owns them, so when eager releases the node's variables the
+holders die with them.
+
+Pack hooks that are not cagrad's (``torch.autograd.graph.saved_tensors_hooks``,
+``torch.utils.checkpoint``) run their ``unpack`` on every read, so a backward
+over such slots must run in eager. Their ``SavedVariable``\\ s refuse a second
+``register_hooks``, which is how they are found: once any default hooks have
+been pushed, every slot is claimed with a holder while the backward is
+collected (:func:`claim`), and a refusal makes the backward fall back.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ FREED_MESSAGE = (
     "after calling backward."
 )
 
+Slot = tuple[Any, str, int]  # (node, attribute suffix, list index or -1)
+
 
 def _modified_message(t: torch.Tensor, owner: str, saved: int) -> str:
     # same cause and wording as eager's SavedVariable::unpack error
@@ -67,10 +75,9 @@ class SavedTensorHolder:
     """What a ``SavedVariable`` keeps once cagrad has packed it.
 
     Attributes:
-        data: the saved tensor (detached; ``None`` once released).
-        version: ``data._version`` when packed; a mismatch at unpack time
-            means the tensor was modified in place.
-        swapped: the fake tensor unpack returns during a trace, else None.
+        data: the saved tensor (``None`` once released).
+        version: ``data._version`` when packed.
+        swapped: the fake tensor ``unpack`` returns during a trace, else None.
         owner: ``"<NodeType>.<attr>"`` for error messages.
     """
 
@@ -90,15 +97,6 @@ class SavedTensorHolder:
     def unpack(self, _packed: Any) -> torch.Tensor:
         if self.swapped is not None:
             return self.swapped
-        return self.get()
-
-    def get(self) -> torch.Tensor:
-        """The saved tensor, checked as eager's unpack checks it.
-
-        Raises:
-            RuntimeError: eager's messages for a released graph and for a
-                tensor modified in place since it was saved.
-        """
         data = self.data
         if data is None:
             raise RuntimeError(FREED_MESSAGE)
@@ -110,111 +108,120 @@ class SavedTensorHolder:
         self.data = None
 
 
-class _Undefined:
-    """Marks a saved slot that holds an undefined (``None``) tensor."""
-
-    def __call__(self) -> _Undefined:
-        return self
+def _drop(_t: torch.Tensor) -> None:
+    return None
 
 
-UNDEFINED = _Undefined()
+def _freed(_packed: Any) -> torch.Tensor:
+    raise RuntimeError(FREED_MESSAGE)
 
 
-def _holder_of(node: Any, attr: str, name: str, raw: Any, refs: dict[str, Any]) -> Any:
-    # first visit of this slot: let eager's unpack check version and release,
-    # then take the tensor over
-    try:
-        value = getattr(node, "_saved_" + name)
-    except RuntimeError as e:
-        raise EagerError(e) from e
-    if value is None:
-        refs[attr] = UNDEFINED
-        return UNDEFINED
-    holder = SavedTensorHolder(f"{type(node).__name__}.{attr}")
-    try:
-        raw.register_hooks(holder.pack, holder.unpack)
-    except RuntimeError as e:
-        raise Unsupported(
-            "saved_tensors_hooks",
-            f"{holder.owner} already has pack/unpack hooks ({e})",
-        ) from e
-    refs[attr] = weakref.ref(holder)
-    return holder
+# -- foreign pack hooks ------------------------------------------------------
+_default_hooks_seen = False
+_original_push = torch._C._autograd._push_saved_tensors_default_hooks
 
 
-def _lookup(refs: dict[str, Any], attr: str) -> Any:
-    ref = refs.get(attr)
-    if ref is None:
-        return None
-    holder = ref()
-    if holder is None:
-        # eager released this node's variables (its hooks, our holder with them)
-        raise EagerError(RuntimeError(FREED_MESSAGE))
-    return holder
+def _push_default_hooks(*args: Any, **kwargs: Any) -> Any:
+    global _default_hooks_seen
+    _default_hooks_seen = True
+    return _original_push(*args, **kwargs)
 
 
-def saved_tensor(node: Any, attr: str) -> SavedTensorHolder | _Undefined:
-    """The holder of ``node._saved_<attr>``, packing it on first use.
+def install(graphs_alive_at_import: bool) -> None:
+    """Watches for default pack hooks (``saved_tensors_hooks``).
 
-    Returns:
-        the holder, or :data:`UNDEFINED` when the slot holds no tensor.
+    Args:
+        graphs_alive_at_import: graphs built before the import may hold
+            foreign hooks, so every slot is claimed from then on.
+    """
+    global _default_hooks_seen
+    if torch._C._autograd._push_saved_tensors_default_hooks is not _push_default_hooks:
+        torch._C._autograd._push_saved_tensors_default_hooks = _push_default_hooks
+        torch.autograd._push_saved_tensors_default_hooks = _push_default_hooks
+    if graphs_alive_at_import:
+        _default_hooks_seen = True
+
+
+def must_claim() -> bool:
+    """Whether slots may carry foreign hooks, so each must be claimed."""
+    return _default_hooks_seen
+
+
+# -- reading, claiming, releasing -------------------------------------------
+def read(node: Any, attr: str) -> Any:
+    """``node._saved_<attr>`` (a tensor, None, or a tuple for tensor lists).
 
     Raises:
-        EagerError: the slot was released or its tensor modified in place;
-            eager raises the matching RuntimeError when it runs.
-        Unsupported: the slot already has hooks (``saved_tensors_hooks``).
+        EagerError: eager's unpack raised (released graph, in-place change).
     """
+    try:
+        return getattr(node, "_saved_" + attr)
+    except RuntimeError as e:
+        raise EagerError(e) from e
+
+
+def _raw(slot: Slot) -> Any:
+    node, attr, index = slot
+    raw = getattr(node, "_raw_saved_" + attr)
+    return raw if index < 0 else raw[index]
+
+
+def _refs(node: Any) -> dict[str, Any]:
     refs = node.metadata.get(_METADATA_KEY)
     if refs is None:
         refs = node.metadata[_METADATA_KEY] = {}
-    holder = _lookup(refs, attr)
-    if holder is None:
-        holder = _holder_of(node, attr, attr, getattr(node, "_raw_saved_" + attr), refs)
-    if holder is not UNDEFINED:
-        try:
-            holder.get()
-        except RuntimeError as e:
-            raise EagerError(e) from e
-    return holder
+    return refs
 
 
-def saved_tensor_list(node: Any, attr: str) -> list[SavedTensorHolder | _Undefined]:
-    """Holders of every element of the saved tensor list ``node._saved_<attr>``."""
-    refs = node.metadata.get(_METADATA_KEY)
-    if refs is None:
-        refs = node.metadata[_METADATA_KEY] = {}
-    count_key = attr + "#"
-    count = refs.get(count_key)
-    if count is None:
-        try:
-            values = getattr(node, "_saved_" + attr)
-        except RuntimeError as e:
-            raise EagerError(e) from e
-        raws = getattr(node, "_raw_saved_" + attr)
-        holders = []
-        for i, (value, raw) in enumerate(zip(values, raws)):
-            key = f"{attr}.{i}"
-            if value is None:
-                refs[key] = UNDEFINED
-                holders.append(UNDEFINED)
-                continue
-            holder = SavedTensorHolder(f"{type(node).__name__}.{key}")
-            try:
-                raw.register_hooks(holder.pack, holder.unpack)
-            except RuntimeError as e:
-                raise Unsupported("saved_tensors_hooks", f"{holder.owner}: {e}") from e
-            refs[key] = weakref.ref(holder)
-            holders.append(holder)
-        refs[count_key] = len(holders)
-        return holders
-    holders = [_lookup(refs, f"{attr}.{i}") for i in range(count)]
-    for h in holders:
-        if h is not UNDEFINED:
-            try:
-                h.get()
-            except RuntimeError as e:
-                raise EagerError(e) from e
-    return holders
+def _key(slot: Slot) -> str:
+    _, attr, index = slot
+    return attr if index < 0 else f"{attr}.{index}"
+
+
+def holder(slot: Slot) -> SavedTensorHolder:
+    """The slot's holder, packing one into it on first use.
+
+    Raises:
+        Unsupported: the slot carries pack hooks that are not cagrad's.
+    """
+    node = slot[0]
+    refs = _refs(node)
+    key = _key(slot)
+    ref = refs.get(key)
+    h = ref() if ref is not None else None
+    if h is not None:
+        return h
+    h = SavedTensorHolder(f"{type(node).__name__}.{key}")
+    try:
+        _raw(slot).register_hooks(h.pack, h.unpack)
+    except RuntimeError as e:
+        raise Unsupported(
+            "saved_tensors_hooks", f"{h.owner} has pack/unpack hooks that are not cagrad's ({e})"
+        ) from e
+    refs[key] = weakref.ref(h)
+    return h
+
+
+def claim(slot: Slot) -> None:
+    """Packs a holder into the slot now, so foreign hooks show up here.
+
+    Raises:
+        Unsupported: the slot carries pack hooks that are not cagrad's.
+    """
+    holder(slot)
+
+
+def release(slot: Slot) -> None:
+    """Frees the slot's tensor as eager's ``release_variables`` would."""
+    try:
+        _raw(slot).register_hooks(_drop, _freed)
+        return
+    except RuntimeError:
+        pass  # already hooked: a holder of ours (foreign hooks fell back)
+    ref = _refs(slot[0]).get(_key(slot))
+    h = ref() if ref is not None else None
+    if h is not None:
+        h.release()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,202 @@
+"""Value comparison: one subject's results against eager's.
+
+Tensors are compared with ``torch.testing.assert_close`` (dtype, device and
+layout must match exactly, strides are not compared, NaN equals NaN) under the
+tolerance the caller's policy gives for the expected tensor's dtype. When they
+differ, the greatest absolute and relative errors are computed in float64 (or
+complex128) on the CPU and reported in a :class:`~harness.outcome.Mismatch`.
+
+Hook traces are compared structurally: lists/tuples element by element
+(lengths must match), dicts key by key, tensors as above, Python floats with
+the float32 policy, anything else with ``==``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from harness.outcome import Mismatch
+from harness.tolerance import Tolerance
+
+#: ``dtype -> Tolerance`` for the subject and device being compared.
+ToleranceFn = Callable[[torch.dtype], Tolerance]
+
+
+def describe_value(x: Any) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, torch.Tensor):
+        return f"tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def error_magnitudes(expected: torch.Tensor, actual: torch.Tensor) -> tuple[float, float]:
+    """Greatest ``|actual - expected|`` and ``|actual - expected| / |expected|``.
+
+    Both tensors must have the same shape. NaN against NaN and equal infinities
+    count as no error; NaN or inf on one side only counts as ``inf``. The
+    relative error where ``expected`` is 0 is ``inf`` (0 where ``actual`` is 0
+    too). Returns ``(0.0, 0.0)`` for empty tensors.
+    """
+    if expected.numel() == 0:
+        return 0.0, 0.0
+    wide = torch.complex128 if (expected.is_complex() or actual.is_complex()) else torch.float64
+    e = _dense(expected).detach().to("cpu").to(wide)
+    a = _dense(actual).detach().to("cpu").to(wide)
+    diff = (a - e).abs()
+    same = (a == e) | (torch.isnan(a) & torch.isnan(e))
+    diff = torch.where(same, torch.zeros_like(diff), diff)
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    denom = e.abs()
+    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / denom)
+    rel = torch.where(torch.isnan(rel), torch.full_like(rel, math.inf), rel)
+    return float(diff.max()), float(rel.max())
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t.to_dense() if t.layout != torch.strided else t
+
+
+def compare_tensor(
+    expected: torch.Tensor | None,
+    actual: torch.Tensor | None,
+    where: str,
+    tolerance: ToleranceFn,
+) -> Mismatch | None:
+    """Compares one tensor slot; returns ``None`` when they agree.
+
+    Args:
+        expected: eager's value (``None`` for an unset ``.grad`` or an unused
+            input).
+        actual: the subject's value.
+        where: the label written into the mismatch (``"leaf 2 .grad"``).
+        tolerance: gives the :class:`Tolerance` for ``expected.dtype``.
+    """
+    if expected is None and actual is None:
+        return None
+    if expected is None or actual is None:
+        return Mismatch(where, f"eager has {describe_value(expected)}, subject has {describe_value(actual)}")
+    for attr in ("dtype", "shape", "device", "layout"):
+        ev, av = getattr(expected, attr), getattr(actual, attr)
+        if ev != av:
+            return Mismatch(where, f"{attr} differs: eager {ev}, subject {av}")
+    tol = tolerance(expected.dtype)
+    atol = tol.atol_for(_dense(expected))
+    try:
+        torch.testing.assert_close(
+            _dense(actual), _dense(expected), rtol=tol.rtol, atol=atol, equal_nan=True, check_stride=False
+        )
+    except AssertionError as exc:
+        max_abs, max_rel = error_magnitudes(expected, actual)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "values differ"
+        return Mismatch(where, first, max_abs=max_abs, max_rel=max_rel, rtol=tol.rtol, atol=atol)
+    return None
+
+
+def compare_tensor_lists(
+    expected: Sequence[torch.Tensor | None],
+    actual: Sequence[torch.Tensor | None],
+    label: Callable[[int], str],
+    tolerance: ToleranceFn,
+    count_label: str = "result count",
+) -> list[Mismatch]:
+    """Compares two slot lists position by position; ``label(i)`` names slot i.
+
+    A length difference is reported under ``count_label``.
+    """
+    out: list[Mismatch] = []
+    if len(expected) != len(actual):
+        out.append(Mismatch(count_label, f"eager has {len(expected)}, subject has {len(actual)}"))
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        m = compare_tensor(e, a, label(i), tolerance)
+        if m is not None:
+            out.append(m)
+    return out
+
+
+def compare_structure(
+    expected: Any,
+    actual: Any,
+    where: str,
+    tolerance: ToleranceFn,
+    float_tolerance: Tolerance,
+) -> list[Mismatch]:
+    """Compares two nested values (a trace event); returns every difference.
+
+    Nested positions are labelled by appending ``[i]`` or ``[key]`` to
+    ``where``.
+    """
+    if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):
+        if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
+            return [Mismatch(where, f"eager has {describe_value(expected)}, subject has {describe_value(actual)}")]
+        m = compare_tensor(expected, actual, where, tolerance)
+        return [m] if m is not None else []
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
+        if type(expected) is not type(actual):
+            return [Mismatch(where, f"eager has a {type(expected).__name__}, subject a {type(actual).__name__}")]
+        out: list[Mismatch] = []
+        if len(expected) != len(actual):
+            out.append(Mismatch(where, f"length differs: eager {len(expected)}, subject {len(actual)}"))
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            out.extend(compare_structure(e, a, f"{where}[{i}]", tolerance, float_tolerance))
+        return out
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        if set(expected) != set(actual):
+            return [Mismatch(where, f"keys differ: eager {sorted(map(repr, expected))}, subject {sorted(map(repr, actual))}")]
+        out = []
+        for k in expected:
+            out.extend(compare_structure(expected[k], actual[k], f"{where}[{k!r}]", tolerance, float_tolerance))
+        return out
+    if _is_real_float(expected) and _is_real_float(actual):
+        e, a = float(expected), float(actual)
+        if (math.isnan(e) and math.isnan(a)) or e == a:
+            return []
+        err = abs(a - e)
+        if err <= float_tolerance.atol + float_tolerance.rtol * abs(e):
+            return []
+        rel = err / abs(e) if e != 0 else math.inf
+        return [
+            Mismatch(
+                where,
+                f"float differs: eager {e!r}, subject {a!r}",
+                max_abs=err if not math.isnan(err) else math.inf,
+                max_rel=rel if not math.isnan(rel) else math.inf,
+                rtol=float_tolerance.rtol,
+                atol=float_tolerance.atol,
+            )
+        ]
+    try:
+        equal = bool(expected == actual) and type(expected) is type(actual)
+    except Exception as exc:  # an == that raises is a difference we report, not a crash
+        return [Mismatch(where, f"cannot compare {describe_value(expected)} with {describe_value(actual)}: {exc}")]
+    if equal:
+        return []
+    return [Mismatch(where, f"eager has {describe_value(expected)}, subject has {describe_value(actual)}")]
+
+
+def _is_real_float(x: Any) -> bool:
+    return isinstance(x, float)
+
+
+def compare_trace(
+    expected: Sequence[Any],
+    actual: Sequence[Any],
+    tolerance: ToleranceFn,
+    float_tolerance: Tolerance,
+) -> list[Mismatch]:
+    """Compares two hook traces; entries are labelled ``trace[i]``.
+
+    A length difference is reported as ``"trace length"``, and the common
+    prefix is still compared entry by entry.
+    """
+    out: list[Mismatch] = []
+    if len(expected) != len(actual):
+        out.append(Mismatch("trace length", f"eager recorded {len(expected)} events, subject {len(actual)}"))
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        out.extend(compare_structure(e, a, f"trace[{i}]", tolerance, float_tolerance))
+    return out

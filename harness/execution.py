@@ -1,0 +1,108 @@
+"""One isolated run of one program under one subject on one device.
+
+:func:`execute` resets the subject, builds the program freshly under a fixed
+seed (the caller's RNG state is restored afterwards), runs its backward inside
+the subject's context, and snapshots everything the oracle compares: copies
+of the leaf ``.grad`` s, of the ``autograd.grad`` results and of the hook
+trace, plus the subject's counter deltas. Exceptions are captured, never
+propagated, except that a failing ``build`` is flagged as such so that the
+runner can tell a broken program from a broken engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from harness.devices import seeded, synchronize
+from harness.outcome import ErrorInfo
+from harness.program import Program
+from harness.subjects import Subject, counter_deltas
+
+
+@dataclasses.dataclass
+class Execution:
+    """What one run produced.
+
+    Attributes:
+        mode: the program's mode (``"backward"`` or ``"grad"``), ``None`` when
+            the build failed.
+        leaf_grads: a detached copy of each leaf's ``.grad`` after the last
+            backward (``None`` where unset), in both modes.
+        grad_results: mode ``"grad"``: copies of the returned tuple; ``None``
+            in mode ``"backward"``.
+        trace: a copy of ``ProgramRun.trace`` (tensors cloned, containers
+            copied).
+        error: the exception, reduced to text; ``exc_type`` is its class.
+        phase: where the exception happened: ``"reset"``, ``"build"`` or
+            ``"backward"`` (``None`` without one).
+        counts, fallback_reasons: counter deltas over the backward (see
+            :func:`harness.subjects.counter_deltas`).
+        seconds: wall time of build and backward.
+    """
+
+    mode: str | None = None
+    leaf_grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    grad_results: list[torch.Tensor | None] | None = None
+    trace: list[Any] = dataclasses.field(default_factory=list)
+    error: ErrorInfo | None = None
+    exc_type: type[BaseException] | None = None
+    phase: str | None = None
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def snapshot(value: Any) -> Any:
+    """A copy of ``value`` whose tensors are detached clones (containers
+    copied recursively), so later in-place changes cannot alter it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [snapshot(v) for v in value]
+    if isinstance(value, tuple):
+        items = [snapshot(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    return value
+
+
+def execute(subject: Subject, program: Program, device: torch.device, seed: int = 0) -> Execution:
+    """Runs ``program`` on ``device`` under ``subject``; never raises an
+    exception of the program or engine (``KeyboardInterrupt`` and other
+    non-``Exception`` errors pass through)."""
+    out = Execution()
+    phase = "reset"
+    start = time.perf_counter()
+    try:
+        subject.reset()
+        phase = "build"
+        with seeded(device, seed):
+            run = program.build(device)
+            out.mode = run.mode
+            synchronize(device)
+            phase = "backward"
+            before = subject.counters()
+            try:
+                result = subject.run(run)
+                synchronize(device)
+            finally:
+                out.counts, out.fallback_reasons = counter_deltas(before, subject.counters())
+        out.leaf_grads = [snapshot(leaf.grad) for leaf in run.leaves]
+        if run.mode == "grad":
+            out.grad_results = [snapshot(g) for g in (result or ())]
+        out.trace = snapshot(list(run.trace))
+    except Exception as exc:
+        out.error = ErrorInfo.from_exception(exc)
+        out.exc_type = type(exc)
+        out.phase = phase
+        try:
+            subject.reset()  # leave no half-finished state to the next subject
+        except Exception:
+            pass
+    out.seconds = time.perf_counter() - start
+    return out

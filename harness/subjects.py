@@ -1,0 +1,261 @@
+"""Subjects: the engines whose backward the oracle checks against eager autograd.
+
+A subject is selected by name:
+
+* ``"eager"``: plain torch autograd (the reference runs it too; as a subject
+  it checks that a second eager run is deterministic).
+* ``"cagrad[<backend>]"``: the backward runs inside
+  ``cagrad.enable(<backend>)``; ``<backend>`` is ``eager``, ``aot_eager`` or
+  ``inductor`` (any ``torch.compile`` backend name cagrad accepts).
+* ``"torch_ca[<backend>]"``: PyTorch's own compiled autograd, entered as
+  ``torch._dynamo.compiled_autograd._enable(functools.partial(torch.compile,
+  backend=<backend>, fullgraph=False))`` (the ``compiler_fn`` receives the
+  captured ``GraphModule``; see ``torch/_dynamo/compiled_autograd.py``).
+
+Both compiled families accept a second bracket item, ``dynamic`` or
+``static``, passed as ``dynamic=True/False`` to their enable call
+(``"cagrad[aot_eager,dynamic]"``); without it each uses its own default.
+
+A subject resets its engine's state before every run (``cagrad.reset()``,
+``compiled_autograd.reset()``, ``torch._dynamo.reset()``) and reports counter
+deltas over the run, so runs do not leak into each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from harness.program import ProgramRun, run_backward
+
+KNOWN_BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+class Subject:
+    """Base class: plain eager autograd; subclasses override the hooks below.
+
+    Attributes:
+        name: the selection name, also written into outcomes.
+        backend: the compiler backend name the tolerance policy keys on
+            (``None`` for plain eager).
+    """
+
+    name: str = "eager"
+    backend: str | None = None
+
+    def prepare(self) -> None:
+        """Called once per :func:`~harness.runner.run_differential`, before
+        any run (the eager reference's included): imports and global setup,
+        so that every run of the report sees the same process state.
+        Must not raise; failures show up again in :meth:`reset`."""
+
+    def reset(self) -> None:
+        """Returns the engine to a fresh state (empty caches). Called before
+        each run and after a run that raised."""
+
+    def counters(self) -> dict[str, Any]:
+        """A snapshot of the engine's cumulative counters: int values, and
+        optionally ``"fallback_reasons"``, a ``{reason: count}`` dict."""
+        return {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The context in which this subject's backward runs."""
+        yield
+
+    def run(self, run: ProgramRun) -> tuple[torch.Tensor | None, ...] | None:
+        """Runs the program's backward under this subject (see
+        :func:`harness.program.run_backward`); raises what the engine raises."""
+        with self.active():
+            return run_backward(run)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class EagerSubject(Subject):
+    """Plain torch autograd."""
+
+    def __init__(self, name: str = "eager") -> None:
+        self.name = name
+
+
+def _bracket(family: str, backend: str, dynamic: bool | None) -> str:
+    if dynamic is None:
+        return f"{family}[{backend}]"
+    return f"{family}[{backend},{'dynamic' if dynamic else 'static'}]"
+
+
+class CagradSubject(Subject):
+    """The backward runs through ``cagrad.enable(backend[, dynamic=...])``.
+
+    Counters reported (deltas over the run): every integer counter cagrad
+    exposes (``backwards``, ``captures``, ``cache_hits``, ``fallbacks``,
+    ``recompiles_*``, ...), ``recompiles`` as the sum of the ``recompiles_*``
+    ones, and ``fallback_reasons``. ``import cagrad`` happens at first use, so
+    a broken cagrad shows up as an ``error`` outcome, not an import failure of
+    the harness.
+    """
+
+    def __init__(self, backend: str = "eager", dynamic: bool | None = None) -> None:
+        self.backend = backend
+        self.dynamic = dynamic
+        self.name = _bracket("cagrad", backend, dynamic)
+
+    @staticmethod
+    def _cagrad() -> Any:
+        import cagrad
+
+        return cagrad
+
+    def prepare(self) -> None:
+        # ``import cagrad`` installs its hook-registration interception
+        # process-wide; import it before the eager reference runs so that the
+        # reference and the subjects build their graphs under the same patch.
+        try:
+            self._cagrad()
+        except Exception:
+            pass
+
+    def reset(self) -> None:
+        self._cagrad().reset()
+        torch._dynamo.reset()
+
+    def counters(self) -> dict[str, Any]:
+        counters: Mapping[str, Any] = self._cagrad().counters
+        snap: dict[str, Any] = {k: v for k, v in counters.items() if isinstance(v, int) and not isinstance(v, bool)}
+        snap["fallback_reasons"] = dict(counters.get("fallback_reasons", {}))
+        return snap
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        cagrad = self._cagrad()
+        kwargs = {} if self.dynamic is None else {"dynamic": self.dynamic}
+        with cagrad.enable(self.backend, **kwargs):
+            yield
+
+
+class TorchCompiledAutogradSubject(Subject):
+    """PyTorch's built-in compiled autograd, as a peer of cagrad.
+
+    Counters reported (deltas): ``captures`` (``torch._dynamo.utils.counters
+    ["compiled_autograd"]["captures"]``: graphs traced by
+    ``AutogradCompilerInstance.begin_capture``), ``recompiles`` (captures
+    after the first) and ``dynamo_graphs`` (``counters["stats"]
+    ["unique_graphs"]``: graphs Dynamo compiled, the CA graph and any hook
+    graphs). Torch's compiled autograd has no fallback counter.
+    """
+
+    def __init__(self, backend: str = "eager", dynamic: bool | None = None) -> None:
+        self.backend = backend
+        self.dynamic = dynamic
+        self.name = _bracket("torch_ca", backend, dynamic)
+
+    def reset(self) -> None:
+        from torch._dynamo import compiled_autograd
+
+        compiled_autograd.reset()
+        torch._dynamo.reset()
+
+    def counters(self) -> dict[str, Any]:
+        from torch._dynamo.utils import counters
+
+        return {
+            "captures": int(counters["compiled_autograd"]["captures"]),
+            "dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+        }
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        from torch._dynamo import compiled_autograd
+
+        compiler_fn = functools.partial(torch.compile, backend=self.backend, fullgraph=False)
+        kwargs = {} if self.dynamic is None else {"dynamic": self.dynamic}
+        with compiled_autograd._enable(compiler_fn, **kwargs):
+            yield
+
+
+def counter_deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """``(counts, fallback_reasons)`` that changed between two snapshots.
+
+    ``counts`` has every integer key of ``after`` (delta), plus ``recompiles``
+    (sum of ``recompiles_*`` keys when the subject has them, else captures
+    beyond the first).
+    """
+    counts = {
+        k: int(v) - int(before.get(k, 0))
+        for k, v in after.items()
+        if k != "fallback_reasons" and isinstance(v, int)
+    }
+    if counts:
+        parts = [v for k, v in counts.items() if k.startswith("recompiles_")]
+        if parts:
+            counts["recompiles"] = sum(parts)
+        elif "captures" in counts:
+            counts["recompiles"] = max(0, counts["captures"] - 1)
+    reasons_before = before.get("fallback_reasons", {}) or {}
+    reasons_after = after.get("fallback_reasons", {}) or {}
+    reasons = {
+        str(r): int(n) - int(reasons_before.get(r, 0))
+        for r, n in reasons_after.items()
+        if int(n) - int(reasons_before.get(r, 0)) > 0
+    }
+    return counts, reasons
+
+
+_NAME = re.compile(r"^(?P<family>[a-z_]+)(?:\[(?P<backend>[A-Za-z0-9_.\-]+)(?:,(?P<mode>dynamic|static))?\])?$")
+
+_FAMILIES = {"cagrad": CagradSubject, "torch_ca": TorchCompiledAutogradSubject}
+
+
+def make_subject(name: str) -> Subject:
+    """The subject a name selects (see the module docstring for the grammar).
+
+    Raises:
+        ValueError: the name does not parse, names an unknown family, or
+            gives a backend to ``eager`` / omits it for a compiled family.
+    """
+    m = _NAME.match(name.replace(" ", ""))
+    if not m:
+        raise ValueError(f"bad subject name {name!r}; expected e.g. 'eager', 'cagrad[aot_eager]', 'torch_ca[eager]'")
+    family, backend, mode = m["family"], m["backend"], m["mode"]
+    if family == "eager":
+        if backend is not None:
+            raise ValueError(f"subject 'eager' takes no backend (got {name!r})")
+        return EagerSubject()
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown subject family {family!r} in {name!r}; known: eager, {', '.join(_FAMILIES)}")
+    if backend is None:
+        raise ValueError(f"subject {name!r} needs a backend, e.g. {family}[eager]")
+    dynamic = None if mode is None else mode == "dynamic"
+    return _FAMILIES[family](backend, dynamic)
+
+
+def resolve_subjects(subjects: Iterable[Subject | str] | Subject | str | None) -> list[Subject]:
+    """Turns names and/or :class:`Subject` objects into subjects;
+    ``None`` means :func:`default_subjects`."""
+    if subjects is None:
+        return default_subjects()
+    if isinstance(subjects, (str, Subject)):
+        subjects = [subjects]
+    return [make_subject(s) if isinstance(s, str) else s for s in subjects]
+
+
+def default_subjects(inductor: bool = False) -> list[Subject]:
+    """``cagrad[eager]``, ``cagrad[aot_eager]``, ``torch_ca[eager]``; with
+    ``inductor=True`` also ``cagrad[inductor]`` and ``torch_ca[inductor]``
+    (inductor compiles take seconds each on CPU)."""
+    names = ["cagrad[eager]", "cagrad[aot_eager]", "torch_ca[eager]"]
+    if inductor:
+        names += ["cagrad[inductor]", "torch_ca[inductor]"]
+    return [make_subject(n) for n in names]
+
+
+def all_subject_names() -> list[str]:
+    """Every subject name with a known backend: eager, then each family x backend."""
+    return ["eager"] + [f"{fam}[{b}]" for fam in _FAMILIES for b in KNOWN_BACKENDS]
