@@ -10,6 +10,39 @@ import torch.fx
 
 CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
 
+# (backend, aten op) pairs whose compiled result is known to be wrong; a graph
+# holding one runs in eager instead. Found by the differential tests:
+# inductor's code around aten._cudnn_rnn_backward (a list of weight gradients
+# that are views of one buffer) returns a wrong weight_hh_l1 gradient for a
+# 2-layer nn.LSTM on CUDA (torch 2.11; tests/test_models_cuda.py, lstm), while
+# eager and aot_eager are exact.
+_DENYLIST: dict[str, tuple[Any, ...]] = {
+    "inductor": (
+        torch.ops.aten._cudnn_rnn_backward.default,
+        torch.ops.aten.miopen_rnn_backward.default,
+    ),
+}
+
+
+def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
+    """Raises Unsupported if ``gm`` holds an op ``compiler_fn`` gets wrong.
+
+    Raises:
+        cagrad.Unsupported: reason ``backend_denylist:<backend>:<op>``.
+    """
+    denied = _DENYLIST.get(compiler_fn) if isinstance(compiler_fn, str) else None
+    if not denied:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in denied:
+            from .errors import Unsupported
+
+            op = node.target.name()
+            raise Unsupported(
+                f"backend_denylist:{compiler_fn}:{op.split('::')[-1]}",
+                f"{compiler_fn} is known to compile {op} wrongly (see cagrad/backends.py)",
+            )
+
 
 def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule], Callable[..., Any]]:
     """Turns ``compiler_fn`` into a function that compiles a captured graph.

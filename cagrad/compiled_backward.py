@@ -22,6 +22,7 @@ import torch
 
 from . import compiled_node_args
 from .cache import CacheNode, CompiledEntry, FallbackVerdict
+from .backends import check_graph
 from .cache_key import CacheKey, KeyWriter
 from .compiled_node_args import TensorArgs, write_tensor
 from .compiler import AutogradCompilerInstance, Traced
@@ -138,6 +139,7 @@ class BackwardCall:
 def run(
     call: BackwardCall,
     cache: CacheNode,
+    compiler_fn: Any,
     compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
     eager_engine: Any,
 ) -> Any:
@@ -151,7 +153,7 @@ def run(
         node = cache.lookup(collected.keys)
         entry = node.entry
         if entry is None:
-            entry = _capture(collected, node, compile_graph)
+            entry = _capture(collected, node, compiler_fn, compile_graph)
         elif isinstance(entry, FallbackVerdict):
             raise Unsupported(entry.reason, entry.detail)
         else:
@@ -180,10 +182,12 @@ def run(
 def _capture(
     collected: CollectedBackward,
     node: CacheNode,
+    compiler_fn: Any,
     compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
 ) -> CompiledEntry:
     try:
         traced = trace(collected)
+        check_graph(compiler_fn, traced.graph_module)
     except Unsupported as u:
         node.entry = FallbackVerdict(u.reason, u.detail)
         raise

@@ -166,7 +166,10 @@ class AutogradCompilerInstance:
         task = self.task
         call_of = task.call_of
         has_exec_info = bool(task.output_edges)
+        marker = self._last_node()
         grads = validate_outputs("GraphRoot", task.root_edges, root_grads)
+        self._tag_since(marker, "GraphRoot")
+        position = {id(call): pos for pos, call in enumerate(task.order)}
         buffers: dict[Any, list] = {}
         if not task.has_graph_root:
             fn, input_nr = task.root_edges[0]
@@ -194,17 +197,22 @@ class AutogradCompilerInstance:
             for (fn, input_nr), g in zip(edges, outs):
                 if fn is None:
                     continue
-                if has_exec_info:
-                    nxt = call_of[fn]
-                    if not (nxt.needed or nxt.captures):
-                        continue
+                nxt = call_of[fn]
+                if has_exec_info and not (nxt.needed or nxt.captures):
+                    continue
                 buf = buffers.get(fn)
                 if buf is None:
                     buf = buffers[fn] = [None] * len(fn._input_metadata)
                 if g is None:
                     continue
                 old = buf[input_nr]
-                buf[input_nr] = g if old is None else old + g
+                if old is None:
+                    buf[input_nr] = g
+                else:
+                    # InputBuffer::add: the engine sums gradients in arrival order
+                    marker = self._last_node()
+                    buf[input_nr] = old + g
+                    self._tag_since(marker, f"InputBuffer of {nxt.name} (NodeCall {position[id(nxt)]})")
         return leaf_grads, captured
 
     def _apply(self, pos: int, call: NodeCall, inputs: list) -> tuple[list, Any]:

@@ -94,7 +94,9 @@ class CagradEngine:
             gc_was_enabled = gc.isenabled()
             gc.disable()
             try:
-                return compiled_backward.run(call, state.cache, state.compile_graph, self._eager)
+                return compiled_backward.run(
+                    call, state.cache, state.compiler_fn, state.compile_graph, self._eager
+                )
             finally:
                 _tls.busy = False
                 if gc_was_enabled:

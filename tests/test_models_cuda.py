@@ -58,6 +58,12 @@ def test_model_trains_like_eager_on_cuda(name, backend):
     for step, (exp, act) in enumerate(zip(expected, actual)):
         for i, (e, a) in enumerate(zip(exp, act)):
             torch.testing.assert_close(a, e, **TOL, msg=lambda m: f"step {step} param {i}: {m}")
+    if name == "lstm" and backend == "inductor":
+        # cuDNN's RNN backward is on inductor's denylist (cagrad/backends.py):
+        # every step must fall back, counted, with eager's gradients
+        reasons = dict(cagrad.counters["fallback_reasons"])
+        assert reasons == {"backend_denylist:inductor:_cudnn_rnn_backward": 3}, reasons
+        return
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["captures"] == 1
     assert cagrad.counters["cache_hits"] == 2

@@ -1,0 +1,253 @@
+"""``python -m golden_graphs`` / ``cagrad-golden``: check, accept, review, list.
+
+::
+
+    cagrad-golden [--root DIR] check  [NAMES...]   exit 1 on any difference
+    cagrad-golden [--root DIR] accept [NAMES...] [--prune]
+    cagrad-golden [--root DIR] review [NAMES...]   show everything, exit 0
+    cagrad-golden [--root DIR] list
+
+``--root`` (or ``$CAGRAD_GOLDEN_ROOT``) is the directory holding the
+``torch-<major>.<minor>/`` snapshot directories; it defaults to
+``golden_graphs/snapshots``. Without NAMES a command covers every scenario
+and also reports stale files (snapshots whose scenario no longer exists).
+
+Exit status: 0 when everything matches (``check``), when everything was
+written (``accept``) and always for ``review`` and ``list``; 1 for a
+difference, a missing/malformed/stale snapshot, a missing snapshot
+directory or a scenario that failed to capture; 2 for usage errors such as
+an unknown scenario name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Sequence
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from . import scenarios
+from .accept import accept as accept_snapshots
+from .compare import Outcome, Status, compare, summary
+from .store import DEFAULT_ROOT, ROOT_ENV, SnapshotStore
+
+_STATUS_STYLE = {
+    Status.OK: "green",
+    Status.CHANGED: "yellow",
+    Status.MISSING: "magenta",
+    Status.MALFORMED: "red",
+    Status.STALE: "magenta",
+    Status.ERROR: "red",
+}
+
+
+def _console() -> Console:
+    # soft_wrap: long hex lines stay one line (copy-pasteable, diffable)
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+
+def _names_arg(names: Sequence[str]) -> list[str] | None:
+    unknown = [n for n in names if n not in scenarios.REGISTRY]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(scenarios.names())}",
+            param_hint="NAMES",
+        )
+    return list(names) or None
+
+
+def _accept_hint(store: SnapshotStore, names: Sequence[str] = ()) -> str:
+    root = "" if store.root == DEFAULT_ROOT else f" --root {store.root}"
+    return f"python -m golden_graphs{root} accept{''.join(' ' + n for n in names)}"
+
+
+@click.group()
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    envvar=ROOT_ENV,
+    default=None,
+    help=f"Directory of torch-<major>.<minor>/ snapshot dirs [env {ROOT_ENV}; "
+    "default: golden_graphs/snapshots].",
+)
+@click.pass_context
+def main(ctx: click.Context, root: str | None) -> None:
+    """Golden FX graphs and cache keys of cagrad's backward captures."""
+    ctx.obj = SnapshotStore(root)
+
+
+@main.command("list", short_help="List scenarios and which have snapshots.")
+@click.pass_obj
+def list_cmd(store: SnapshotStore) -> None:
+    """List the scenarios, their descriptions and whether a snapshot exists."""
+    stored = set(store.stored_names())
+    width = max(len(n) for n in scenarios.names())
+    for name in scenarios.names():
+        mark = "" if name in stored else "  [no snapshot]"
+        click.echo(f"{name:<{width}}  {scenarios.get(name).description}{mark}")
+    for name in sorted(stored - set(scenarios.names())):
+        click.echo(f"{name:<{width}}  [stale snapshot: no such scenario]")
+
+
+@main.command(short_help="Compare with the snapshots; exit 1 on any difference.")
+@click.argument("names", nargs=-1)
+@click.pass_obj
+def check(store: SnapshotStore, names: tuple[str, ...]) -> None:
+    """Compare the current captures with the snapshots; exit 1 on any change.
+
+    Prints a unified diff per changed scenario and lists missing, malformed
+    and stale snapshots and scenarios that failed to capture.
+    """
+    selected = _names_arg(names)
+    console = _console()
+    if not store.exists():
+        console.print(
+            f"golden_graphs: no snapshot directory for torch {store.version}: "
+            f"{store.display()} does not exist.\nCreate it with: {_accept_hint(store)}"
+        )
+        sys.exit(1)
+    outcomes = compare(store, selected)
+    _report(console, outcomes)
+    bad = [o for o in outcomes if not o.ok]
+    if bad:
+        console.print(Text(f"golden_graphs check FAILED: {summary(outcomes)}", style="bold red"))
+        to_accept = [o.name for o in bad if o.status is not Status.STALE]
+        if to_accept:
+            console.print(f"If the changes are intended, run: {_accept_hint(store, to_accept)}")
+        if any(o.status is Status.STALE for o in bad):
+            console.print(f"Delete stale snapshots with: {_accept_hint(store)} --prune")
+        sys.exit(1)
+    console.print(f"golden_graphs check passed: {summary(outcomes)} ({store.display()})")
+
+
+@main.command(short_help="Rewrite snapshots from the current captures.")
+@click.argument("names", nargs=-1)
+@click.option("--prune", is_flag=True, help="Delete stale snapshots (only without NAMES).")
+@click.pass_obj
+def accept(store: SnapshotStore, names: tuple[str, ...], prune: bool) -> None:
+    """Rewrite the snapshots of NAMES (default: all) from the current captures.
+
+    Prints what changed per file. Other scenarios' files are untouched; stale
+    files are reported and kept unless --prune is given.
+    """
+    selected = _names_arg(names)
+    if prune and selected is not None:
+        raise click.UsageError("--prune works only without NAMES")
+    created_dir = not store.exists()
+    results = accept_snapshots(store, selected, prune=prune)
+    console = _console()
+    if created_dir and store.exists():
+        console.print(f"created {store.display()}")
+    for r in results:
+        counts = f" (+{r.added} -{r.removed} lines)" if r.changed else ""
+        line = Text(f"{r.action.value:<14} {r.outcome.path}{counts}")
+        if r.changed:
+            line.stylize("yellow")
+        console.print(line)
+        if r.outcome.detail:
+            console.print(f"    {r.outcome.detail}")
+    changed = sum(r.changed for r in results)
+    console.print(f"golden_graphs accept: {changed} file(s) changed, {len(results) - changed} not")
+    if any(r.outcome.status is Status.ERROR for r in results):
+        sys.exit(1)
+
+
+@main.command(short_help="Show all diffs, missing and stale snapshots; exit 0.")
+@click.argument("names", nargs=-1)
+@click.pass_obj
+def review(store: SnapshotStore, names: tuple[str, ...]) -> None:
+    """Show every diff, missing and stale snapshot, then a table; never fails."""
+    selected = _names_arg(names)
+    console = _console()
+    if not store.exists():
+        console.print(f"no snapshot directory {store.display()}; create it with: {_accept_hint(store)}")
+        return
+    outcomes = compare(store, selected)
+    _report(console, outcomes, show_missing=True)
+    table = Table(title=f"golden graphs, torch {store.version}")
+    table.add_column("scenario")
+    table.add_column("status")
+    table.add_column("+/-", justify="right")
+    for o in outcomes:
+        plus = sum(1 for d in o.diff if d.startswith("+") and not d.startswith("+++"))
+        minus = sum(1 for d in o.diff if d.startswith("-") and not d.startswith("---"))
+        table.add_row(
+            o.name, Text(o.status.value, style=_STATUS_STYLE[o.status]), f"+{plus} -{minus}" if o.diff else ""
+        )
+    console.print(table)
+    console.print(summary(outcomes))
+
+
+def _report(console: Console, outcomes: list[Outcome], show_missing: bool = False) -> None:
+    """Prints each non-OK outcome: a headline, its detail, its diff."""
+    for o in outcomes:
+        if o.ok:
+            continue
+        style = _STATUS_STYLE[o.status]
+        head = Text(f"{o.status.value.upper()} {o.name}: ", style=f"bold {style}")
+        head.append(_headline(o))
+        console.print(head)
+        if o.detail:
+            console.print(Text(f"    {o.detail}"))
+        if o.status in (Status.CHANGED, Status.MALFORMED) or (show_missing and o.diff):
+            _print_diff(console, o.diff)
+
+
+def _headline(o: Outcome) -> str:
+    if o.status is Status.CHANGED:
+        return f"{o.path} differs from the current capture"
+    if o.status is Status.MISSING:
+        n = len((o.current or "").splitlines())
+        return f"no snapshot {o.path} (accept would write {n} lines)"
+    if o.status is Status.MALFORMED:
+        return f"{o.path} does not parse"
+    if o.status is Status.STALE:
+        return f"{o.path} has no scenario (removed or renamed?)"
+    return "the scenario failed to capture; its snapshot was not compared"
+
+
+def _print_diff(console: Console, diff: list[str]) -> None:
+    """Prints a unified diff, coloured on a terminal; in a block of ``-``
+    lines followed by as many ``+`` lines, each pair's differing characters
+    are also underlined (long hex keys differ in a byte or two)."""
+    texts = [_diff_line(line) for line in diff]
+    i = 0
+    while i < len(diff):
+        j = i
+        while j < len(diff) and diff[j].startswith("-") and not diff[j].startswith("---"):
+            j += 1
+        k = j
+        while k < len(diff) and diff[k].startswith("+") and not diff[k].startswith("+++"):
+            k += 1
+        if j > i and k - j == j - i:
+            for a, b in zip(range(i, j), range(j, k)):
+                _mark_changes(texts[a], texts[b], diff[a], diff[b])
+        i = max(k, i + 1)
+    for text in texts:
+        console.print(text)
+
+
+def _diff_line(line: str) -> Text:
+    if line.startswith(("+++", "---")):
+        style = "bold"
+    elif line.startswith("@@"):
+        style = "cyan"
+    elif line.startswith("+"):
+        style = "green"
+    elif line.startswith("-"):
+        style = "red"
+    else:
+        style = ""
+    return Text(line, style=style)
+
+
+def _mark_changes(old: Text, new: Text, a: str, b: str) -> None:
+    matcher = difflib.SequenceMatcher(None, a[1:], b[1:], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            old.stylize("bold underline", i1 + 1, i2 + 1)
+            new.stylize("bold underline", j1 + 1, j2 + 1)

@@ -1,0 +1,39 @@
+"""Taking a snapshot: build a scenario, capture its backward, normalize it."""
+
+from __future__ import annotations
+
+import cagrad
+
+from . import scenarios
+from .normalize import graph_lines
+from .snapshot import Snapshot
+from .store import torch_version
+
+
+def take(name: str, version: str | None = None) -> Snapshot:
+    """The current :class:`Snapshot` of scenario ``name``.
+
+    Builds the scenario (seeded, see :func:`golden_graphs.scenarios.build`)
+    and calls :func:`cagrad.capture`, which traces without compiling or
+    running anything and leaves cagrad's caches and counters alone.
+
+    Args:
+        name: a registered scenario.
+        version: the torch ``major.minor`` to record (default: the running one).
+
+    Raises:
+        KeyError: no such scenario.
+        cagrad.Unsupported: cagrad cannot capture the scenario's backward.
+        Exception: whatever the scenario's forward raises.
+    """
+    sc = scenarios.get(name)
+    bw = scenarios.build(name)
+    cap = cagrad.capture(bw.outputs, bw.grad_outputs, bw.inputs)
+    return Snapshot(
+        scenario=name,
+        torch=version or torch_version(),
+        about=sc.description,
+        task_key=cap.task_key,
+        cache_keys=tuple(cap.cache_keys),
+        graph=tuple(graph_lines(cap.graph_module)),
+    )
