@@ -82,8 +82,12 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str) -> None:
         w.value((t.is_conj(), t.is_neg()))
 
 
-def write_input_metadata(w: KeyWriter, fn: Any, input_nr: int, what: str) -> None:
-    md = fn._input_metadata[input_nr]
+def write_input_metadata(w: KeyWriter, md: Any, what: str) -> None:
+    """One ``_input_metadata`` entry: the shape, dtype, device a node expects.
+
+    Raises:
+        Unsupported: for nested tensors.
+    """
     if md.is_nested_tensor:
         raise Unsupported("nested_tensor", f"{what} receives a nested tensor")
     w.sizes(md.shape)
@@ -139,7 +143,7 @@ def collect(task: GraphTask, call: NodeCall, args: TensorArgs, census: Census) -
         return CacheKey(name, w.getvalue())
     if not call.needed:
         # captured only: it never runs, only its input slots matter
-        _write_own_inputs(w, node, name)
+        _write_own_inputs(w, call, name)
         return CacheKey(name, w.getvalue())
     for attr in schema.values:
         w.value(getattr(node, "_saved_" + attr))
@@ -154,7 +158,7 @@ def collect(task: GraphTask, call: NodeCall, args: TensorArgs, census: Census) -
             _write_saved(w, args, value, (node, attr, i), f"{name}.{attr}[{i}]", claim)
     _write_edges(w, task, call)
     if schema.split_sizes:
-        _check_split_sizes(node, name)
+        _check_split_sizes(call.edges, name)
     return CacheKey(name, w.getvalue())
 
 
@@ -166,22 +170,23 @@ def _write_edges(w: KeyWriter, task: GraphTask, call: NodeCall) -> None:
         if fn is None:
             w.tag(b"N")
             continue
-        w.size(call_of[fn].id)
+        target = call_of[fn]
+        w.size(target.id)
         w.size(input_nr)
-        write_input_metadata(w, fn, input_nr, f"edge {i} of {call.name}")
+        write_input_metadata(w, target.input_metadata[input_nr], f"edge {i} of {call.name}")
 
 
-def _write_own_inputs(w: KeyWriter, node: Any, name: str) -> None:
-    metadata = node._input_metadata
+def _write_own_inputs(w: KeyWriter, call: NodeCall, name: str) -> None:
+    metadata = call.input_metadata
     w.size(len(metadata))
-    for i in range(len(metadata)):
-        write_input_metadata(w, node, i, f"input {i} of {name}")
+    for i, md in enumerate(metadata):
+        write_input_metadata(w, md, f"input {i} of {name}")
 
 
-def _check_split_sizes(node: Any, name: str) -> None:
+def _check_split_sizes(edges: Any, name: str) -> None:
     # the hidden per-input sizes are determined by the edges when at most one
     # input has no valid edge (see cagrad.node_schema, policy split_sizes)
-    missing = sum(1 for fn, _ in node.next_functions if fn is None)
+    missing = sum(1 for fn, _ in edges if fn is None)
     if missing > 1:
         raise Unsupported(
             f"hidden_state:{name}",

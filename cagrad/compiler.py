@@ -173,7 +173,7 @@ class AutogradCompilerInstance:
         buffers: dict[Any, list] = {}
         if not task.has_graph_root:
             fn, input_nr = task.root_edges[0]
-            buffers[fn] = [None] * len(fn._input_metadata)
+            buffers[fn] = [None] * len(call_of[fn].input_metadata)
             buffers[fn][input_nr] = grads[0]
         leaf_grads: list[tuple[int, torch.Tensor | None]] = []
         captured: list[torch.Tensor | None] = [None] * task.num_captures
@@ -185,7 +185,7 @@ class AutogradCompilerInstance:
             else:
                 inputs = buffers.pop(node, None)
                 if inputs is None:
-                    inputs = [None] * len(node._input_metadata)
+                    inputs = [None] * len(call.input_metadata)
                 for input_nr, out_idx in call.captures:
                     captured[out_idx] = inputs[input_nr]
                 if not call.needed:
@@ -202,7 +202,7 @@ class AutogradCompilerInstance:
                     continue
                 buf = buffers.get(fn)
                 if buf is None:
-                    buf = buffers[fn] = [None] * len(fn._input_metadata)
+                    buf = buffers[fn] = [None] * len(nxt.input_metadata)
                 if g is None:
                     continue
                 old = buf[input_nr]
@@ -222,7 +222,7 @@ class AutogradCompilerInstance:
         try:
             out = node(*inputs)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            edges = node.next_functions
+            edges = call.edges
             outs = validate_outputs(name, edges, outs)
         except Unsupported:
             raise

@@ -21,7 +21,6 @@ root's own node. Both are replayed, since the choice changes the order.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,6 @@ Edge = tuple[Any, int]  # (node or None, input_nr)
 _GRAPH_ROOT_SEQ = 0  # the virtual root is alone in the queue when it runs
 
 
-@dataclasses.dataclass(eq=False)
 class NodeCall:
     """One node in a backward, in the order the engine runs it.
 
@@ -45,20 +43,34 @@ class NodeCall:
         id: the node's index in discovery order (the dependency walk); edges
             in cache keys name their target by it.
         schema: what the node saves (see :mod:`cagrad.node_schema`).
+        edges: the node's ``next_functions`` (read once).
         needed: the node runs (False: it only has its inputs captured).
         captures: ``(input_nr, output_index)`` pairs whose incoming gradient
             ``autograd.grad`` returns.
     """
 
-    node: Any
-    id: int
-    schema: NodeSchema | None
-    needed: bool = True
-    captures: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    __slots__ = ("node", "id", "schema", "edges", "needed", "captures", "_input_metadata")
+
+    def __init__(self, node: Any, id: int, schema: NodeSchema | None) -> None:
+        self.node = node
+        self.id = id
+        self.schema = schema
+        self.edges: tuple[Edge, ...] = ()
+        self.needed = True
+        self.captures: list[tuple[int, int]] = []
+        self._input_metadata: tuple | None = None
 
     @property
     def name(self) -> str:
         return "GraphRoot" if self.node is None else type(self.node).__name__
+
+    @property
+    def input_metadata(self) -> tuple:
+        """The node's ``_input_metadata`` (read once): one entry per input."""
+        md = self._input_metadata
+        if md is None:
+            md = self._input_metadata = self.node._input_metadata
+        return md
 
 
 def gradient_edge(t: torch.Tensor, index: int, what: str) -> Edge:
@@ -175,9 +187,11 @@ class GraphTask:
                 self._add(fn)
                 stack.append(fn)
             deps[fn] += 1
+        call_of = self.call_of
         while stack:
             fn = stack.pop()
-            for nxt, _ in fn.next_functions:
+            edges = call_of[fn].edges = fn.next_functions
+            for nxt, _ in edges:
                 if nxt is None:
                     continue
                 if nxt in deps:
@@ -230,7 +244,7 @@ class GraphTask:
         """The edges a node hands its outputs along (root edges for GraphRoot)."""
         if call.node is None:
             return self.root_edges
-        return call.node.next_functions
+        return call.edges
 
     # -- the ready-queue loop --------------------------------------------------
     def _run_order(self) -> list[NodeCall]:
