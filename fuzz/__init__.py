@@ -1,0 +1,22 @@
+"""cagrad-fuzz: random autograd programs checked by the differential oracle.
+
+Modules, one concept each:
+
+=================  ========================================================
+``ir``             the program IR (leaves, ops, roots, backward mode), JSON
+``ops``            the op catalog: arity, attributes, shape rule, torch impl
+``strategies``     Hypothesis strategies for random valid programs
+``interpret``      IR -> harness ``Program`` (deterministic leaf values)
+``render``         IR -> plain torch source, for people
+``oracle``         runs programs through ``harness.run_differential``
+``reduce``         IR-level reduction of a failing program
+``reproducer``     standalone ``.py`` reproducers, and replaying them
+``campaign``       the budgeted, seeded, resumable campaign with shrinking
+``cli``            ``python -m fuzz campaign|replay`` (``cagrad-fuzz``)
+=================  ========================================================
+
+Importing the package is cheap; ``fuzz.ir`` and ``fuzz.ops`` need torch and
+Hypothesis only, the rest also ``harness``.
+"""
+
+__all__ = ["campaign", "cli", "interpret", "ir", "ops", "oracle", "render", "reproducer", "strategies"]

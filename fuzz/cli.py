@@ -1,0 +1,231 @@
+"""Command line: ``python -m fuzz`` or the ``cagrad-fuzz`` console script.
+
+::
+
+    python -m fuzz campaign --budget 600 --seed 1 --out fuzz-out
+    python -m fuzz replay fuzz-out/failures/F001-.../reproducer.py
+    python -m fuzz replay program.json --subjects 'cagrad[eager],torch_ca[eager]'
+    python -m fuzz replay program.json --show      # as plain torch code
+    python -m fuzz ops                             # the op catalog
+
+Exit status: 0 clean, 1 divergence found (campaign) or reproduced (replay),
+2 usage or I/O error, 3 internal error of the fuzzer, 130 campaign
+interrupted.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import click
+
+EXIT_CLEAN, EXIT_DIVERGENCE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _split(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    from fuzz.reproducer import _split_subjects
+
+    return _split_subjects(text)
+
+
+def _quiet_warnings() -> None:
+    # torch without numpy warns on import; nothing the user can act on here.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """cagrad-fuzz: random autograd programs, eager vs compiled autograd."""
+    _quiet_warnings()
+
+
+@main.command()
+@click.option("--budget", "budget", type=click.FloatRange(min=0), required=True, help="Seconds of generation.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Campaign seed.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Output directory (state, report.json, failures); an existing one is resumed.",
+)
+@click.option(
+    "--subjects",
+    help="Comma-separated harness subjects, e.g. 'cagrad[eager],torch_ca[eager]' "
+    "(default: the harness defaults; none when only --plugin is given).",
+)
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    help="Extra subjects from 'file.py:NAME' or 'module:NAME' (a harness.Subject, a subclass or a factory).",
+)
+@click.option("--device", "devices", multiple=True, help="Device to run on (repeatable; default: all available).")
+@click.option("--max-ops", type=click.IntRange(min=1), default=12, show_default=True, help="Ops per program, at most.")
+@click.option("--max-leaves", type=click.IntRange(min=1), default=5, show_default=True, help="Leaves per program, at most.")
+@click.option("--ops", "ops", help="Comma-separated op names to draw from (default: the whole catalog).")
+@click.option("--dtypes", default="float32,float64", show_default=True, help="Leaf dtypes to draw from.")
+@click.option("--modes", default="backward,grad", show_default=True, help="Backward entry points to use.")
+@click.option("--repeat/--no-repeat", default=False, show_default=True, help="Also run backward twice with retain_graph.")
+@click.option(
+    "--shrink-seconds",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    help="Time to shrink one new divergence (may run past the budget).",
+)
+@click.option("--round-size", type=click.IntRange(min=1), default=1000, show_default=True, help="Programs per Hypothesis run.")
+@click.option("--max-programs", type=click.IntRange(min=1), help="Stop after this many programs, budget or not.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a live progress bar.")
+def campaign(
+    budget: float,
+    seed: int,
+    out: Path,
+    subjects: str | None,
+    plugins: tuple[str, ...],
+    devices: tuple[str, ...],
+    max_ops: int,
+    max_leaves: int,
+    ops: str | None,
+    dtypes: str,
+    modes: str,
+    repeat: bool,
+    shrink_seconds: float,
+    round_size: int,
+    max_programs: int | None,
+    progress: bool,
+) -> None:
+    """Fuzz until the budget ends; write report.json and reproducers under OUT.
+
+    Exit status: 0 no divergence, 1 divergence(s) found (see OUT/report.json),
+    2 usage or I/O error, 3 internal error, 130 interrupted (run the same
+    command to resume).
+    """
+    from fuzz.campaign import Campaign, CampaignConfig, CampaignError
+    from fuzz.ir import DTYPES, MODES
+    from fuzz.strategies import GenConfig
+
+    dtype_list = tuple(_split(dtypes) or ())
+    mode_list = tuple(_split(modes) or ())
+    bad = [d for d in dtype_list if d not in DTYPES] + [m for m in mode_list if m not in MODES]
+    if bad or not dtype_list or not mode_list:
+        raise click.BadParameter(f"unknown or missing value(s) {bad}; dtypes: {list(DTYPES)}, modes: {list(MODES)}")
+    try:
+        gen = GenConfig(
+            max_ops=max_ops,
+            max_leaves=max_leaves,
+            dtypes=dtype_list,
+            modes=mode_list,
+            ops=tuple(_split(ops) or ()) if ops else None,
+            repeat=repeat,
+        )
+        gen.op_names()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--ops") from None
+    config = CampaignConfig(
+        budget_s=budget,
+        seed=seed,
+        out=out,
+        subjects=_split(subjects),
+        plugins=list(plugins),
+        devices=list(devices) or None,
+        gen=gen,
+        shrink_s=shrink_seconds,
+        round_size=round_size,
+        progress=progress,
+        max_programs=max_programs,
+    )
+    try:
+        code = Campaign(config).run()
+    except CampaignError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    except Exception:  # a bug in the fuzzer: not to be read as a divergence
+        click.echo(f"internal error in cagrad-fuzz (state and report were saved):\n{traceback.format_exc()}", err=True)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=True, path_type=Path))
+@click.option("--subjects", help="Comma-separated subjects instead of the recorded ones (or the defaults).")
+@click.option("--plugin", "plugins", multiple=True, help="Extra subjects, as for campaign.")
+@click.option("--device", "devices", multiple=True, help="Device(s) instead of the recorded ones.")
+@click.option("--json", "as_json", is_flag=True, help="Print the differential report as JSON.")
+@click.option("--show", is_flag=True, help="Print the program as plain torch code and exit.")
+def replay(
+    file: Path,
+    subjects: str | None,
+    plugins: tuple[str, ...],
+    devices: tuple[str, ...],
+    as_json: bool,
+    show: bool,
+) -> None:
+    """Run FILE (a reproducer .py, a program .json, or a failure directory) again."""
+    from fuzz.ir import IRError, Program
+    from fuzz.reproducer import read_reproducer
+    from fuzz.reproducer import replay as run_replay
+
+    if file.is_dir():
+        candidates = [file / "reproducer.py", file / "program.json"]
+        found = next((c for c in candidates if c.exists()), None)
+        if found is None:
+            raise click.BadParameter(f"{file} has no reproducer.py or program.json", param_hint="FILE")
+        file = found
+    recorded_subjects: list[str] = []
+    recorded_plugins: list[str] = []
+    recorded_devices: list[str] | None = None
+    try:
+        if file.suffix == ".py":
+            rec = read_reproducer(file)
+            program = rec["program"]
+            recorded_subjects, recorded_plugins, recorded_devices = rec["subjects"], rec["plugins"], rec["devices"]
+        else:
+            program = Program.from_json(file.read_text())
+    except (IRError, ValueError, SyntaxError, OSError) as e:
+        click.echo(f"error: {file}: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    if show:
+        click.echo(program.source(), nl=False)
+        sys.exit(EXIT_CLEAN)
+    if subjects is not None or plugins:
+        use_subjects, use_plugins = _split(subjects), list(plugins)
+    else:
+        use_subjects, use_plugins = recorded_subjects or None, recorded_plugins
+    code = run_replay(
+        program,
+        use_subjects,
+        use_plugins,
+        list(devices) or recorded_devices,
+        echo=click.echo,
+        as_json=as_json,
+    )
+    sys.exit(code)
+
+
+@main.command("ops")
+def list_ops() -> None:
+    """List the op catalog (names for --ops)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from fuzz import ops as catalog
+
+    table = Table(title=f"{len(catalog.OPS)} ops")
+    for col in ("op", "category", "inputs", "attributes", "notes"):
+        table.add_column(col, overflow="fold")
+    for spec in catalog.OPS.values():
+        attrs = ", ".join(f"{k}: {a.kind}" for k, a in spec.attrs.items())
+        notes = "; ".join(n for n in (spec.doc, "several outputs" if spec.multi_output else "") if n)
+        table.add_row(spec.name, spec.category, spec.arity_text(), Text(attrs), Text(notes))
+    Console().print(table)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+

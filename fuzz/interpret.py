@@ -1,0 +1,105 @@
+"""Runs an IR program with torch, as a harness :class:`~harness.program.Program`.
+
+Values are deterministic: every leaf is drawn from its own CPU generator
+seeded from ``(program.seed, leaf name)`` (uniform in [-1, 1], made in float64
+then cast, then moved to the device), so removing a leaf while shrinking does
+not change the others, and CPU and CUDA subjects start from the same numbers.
+``grad_output``s of loss ``"separate"`` are drawn the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from fuzz import ops as catalog
+from fuzz.ir import Leaf, Program
+from harness.program import ProgramRun
+
+
+def derived_seed(seed: int, key: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def seeded_uniform(seed: int, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(derived_seed(seed, key))
+    t = torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1
+    return t.to(dtype).to(device)
+
+
+def make_leaf(leaf: Leaf, seed: int, device: Any) -> torch.Tensor:
+    t = seeded_uniform(seed, leaf.name, leaf.shape, catalog.TORCH_DTYPES[leaf.dtype], device)
+    return t.requires_grad_(leaf.requires_grad)
+
+
+def run_forward(program: Program, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    """Every value of the program by reference (``"v3"``, ``"v4:1"``)."""
+    values: dict[str, torch.Tensor] = {}
+    for leaf in program.leaves:
+        values[leaf.name] = make_leaf(leaf, program.seed, device)
+    for op in program.ops:
+        spec = catalog.get(op.op)
+        out = spec.run([values[ref] for ref in op.inputs], op.attrs)
+        if spec.multi_output:
+            for i, t in enumerate(out):
+                values[f"{op.name}:{i}"] = t
+        else:
+            values[op.name] = out
+    return values
+
+
+def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
+    values = run_forward(program, device)
+    roots = [values[ref] for ref in program.roots]
+    if program.loss == "sum":
+        total = roots[0].sum()
+        for r in roots[1:]:
+            total = total + r.sum()
+        outputs: list[torch.Tensor] = [total]
+        grad_outputs: list[torch.Tensor | None] | None = None
+    else:
+        outputs = roots
+        grad_outputs = [
+            None if r.dim() == 0 else seeded_uniform(program.seed, f"grad_output/{i}", tuple(r.shape), r.dtype, device)
+            for i, r in enumerate(roots)
+        ]
+    return ProgramRun(
+        leaves=[values[leaf.name] for leaf in program.leaves],
+        outputs=outputs,
+        grad_outputs=grad_outputs,
+        inputs=None if program.inputs is None else [values[ref] for ref in program.inputs],
+        mode=program.mode,  # type: ignore[arg-type]
+        retain_graph=program.retain_graph,
+        repeat=program.repeat,
+    )
+
+
+def program_digest(program: Program) -> str:
+    text = program.with_name("").to_json(indent=None)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class IRProgram:
+    """Adapts an IR :class:`~fuzz.ir.Program` to the harness ``Program`` protocol."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.name = program.name or f"fuzz-{program_digest(program)}"
+
+    def build(self, device: torch.device) -> ProgramRun:
+        return build_run(self.program, device)
+
+    def __repr__(self) -> str:
+        return f"IRProgram({self.name!r}, {len(self.program.ops)} ops)"
+
+
+def eager_grads(program: Program, device: Any = "cpu") -> list[torch.Tensor | None]:
+    """The eager results the harness compares: leaf grads or autograd.grad's tuple."""
+    from harness.program import leaf_grads, run_backward
+
+    run = build_run(program, device)
+    result = run_backward(run)
+    return list(result) if program.mode == "grad" else leaf_grads(run)

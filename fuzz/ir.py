@@ -1,0 +1,438 @@
+"""The fuzzer's program IR: leaves, ops, roots, and how the backward runs.
+
+A :class:`Program` is a straight-line DAG::
+
+    leaves  x0: float32[2, 3] requires_grad
+            x1: float64[3]    requires_grad
+    ops     v0 = mul(x0, x1)
+            v1 = sum(v0, dim=[1], keepdim=False)
+    roots   [v1]            loss "sum" -> backward of v1.sum()
+
+Values are named. A leaf or a single-output op is referred to by its name; an
+op with several outputs (``split``, ``unbind``) by ``"name:i"``. The op names
+come from the catalog in :mod:`fuzz.ops` (an extensible registry), each with
+an attribute schema and a shape rule, so :func:`validate` can check a program
+without running it and name the field that is wrong.
+
+Program-level fields say how the backward runs (they map one to one onto
+:class:`harness.program.ProgramRun`):
+
+* ``roots``: values the backward starts from;
+* ``loss``: ``"sum"`` adds ``root.sum()`` of every root into one scalar root
+  (implicit gradient); ``"separate"`` passes every root as its own root, with
+  a seeded random ``grad_output`` (``None`` for a 0-d root);
+* ``mode``: ``"backward"`` (``torch.autograd.backward``, compares leaf
+  ``.grad``) or ``"grad"`` (``torch.autograd.grad`` with ``inputs``);
+* ``inputs``: values to differentiate with respect to (mode ``"grad"``), or
+  the optional ``inputs=`` restriction of mode ``"backward"`` (leaves only);
+* ``retain_graph`` and ``repeat``: several backwards on one graph;
+* ``seed``: every leaf value and ``grad_output`` is derived from it.
+
+JSON form (:meth:`Program.to_json`) carries ``"schema": SCHEMA_VERSION``;
+:meth:`Program.from_json` rejects other versions, unknown fields and anything
+:func:`validate` rejects, with an :class:`IRError` naming the place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+DTYPES = ("float32", "float64")
+MODES = ("backward", "grad")
+LOSSES = ("sum", "separate")
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_REF_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?::([0-9]+))?$")
+
+Shape = tuple[int, ...]
+
+
+class IRError(ValueError):
+    """A malformed program; ``where`` names the field (``ops[3].inputs[1]``)."""
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        self.message = message
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    name: str
+    shape: Shape
+    dtype: str = "float32"
+    requires_grad: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "requires_grad": self.requires_grad,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """``name = op(*inputs, **attrs)``; ``inputs`` are value references."""
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    attrs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "op": self.op,
+            "inputs": list(self.inputs),
+            "attrs": _jsonable(self.attrs),
+        }
+
+    def __hash__(self) -> int:  # attrs is a dict; hash by its JSON form
+        return hash((self.name, self.op, self.inputs, json.dumps(_jsonable(self.attrs), sort_keys=True)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueInfo:
+    """What shape inference knows about one value."""
+
+    ref: str
+    shape: Shape
+    dtype: str
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    leaves: tuple[Leaf, ...]
+    ops: tuple[Op, ...]
+    roots: tuple[str, ...]
+    loss: str = "sum"
+    mode: str = "backward"
+    inputs: tuple[str, ...] | None = None
+    retain_graph: bool | None = None
+    repeat: int = 1
+    seed: int = 0
+    name: str = ""
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "name": self.name,
+            "seed": self.seed,
+            "leaves": [leaf.to_dict() for leaf in self.leaves],
+            "ops": [op.to_dict() for op in self.ops],
+            "roots": list(self.roots),
+            "loss": self.loss,
+            "mode": self.mode,
+            "inputs": None if self.inputs is None else list(self.inputs),
+            "retain_graph": self.retain_graph,
+            "repeat": self.repeat,
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Program:
+        program = _parse_program(data)
+        validate(program)
+        return program
+
+    @classmethod
+    def from_json(cls, text: str) -> Program:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise IRError("", f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------ utilities
+    def op_names(self) -> list[str]:
+        return [op.op for op in self.ops]
+
+    def op_set(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.op_names())))
+
+    def size_key(self) -> tuple[int, int, int, int]:
+        """Ops, leaves, total leaf elements, JSON length (see also
+        :func:`fuzz.reduce.complexity`)."""
+        numel = 0
+        for leaf in self.leaves:
+            n = 1
+            for d in leaf.shape:
+                n *= d
+            numel += n
+        return (len(self.ops), len(self.leaves), numel, len(self.to_json(indent=None)))
+
+    def infer(self) -> dict[str, ValueInfo]:
+        """Shape/dtype/requires_grad of every value (validates as it goes)."""
+        return validate(self)
+
+    def pruned(self) -> Program:
+        """Drops ops and leaves that no root or input depends on."""
+        needed: set[str] = set()
+        for ref in list(self.roots) + list(self.inputs or ()):
+            needed.add(base_name(ref))
+        kept: list[Op] = []
+        for op in reversed(self.ops):
+            if op.name in needed:
+                kept.append(op)
+                needed.update(base_name(r) for r in op.inputs)
+        leaves = tuple(leaf for leaf in self.leaves if leaf.name in needed)
+        return dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)))
+
+    def with_name(self, name: str) -> Program:
+        return dataclasses.replace(self, name=name)
+
+    def source(self) -> str:
+        """A readable, runnable pure-torch rendering (see :mod:`fuzz.ops`)."""
+        from fuzz.render import render_source
+
+        return render_source(self)
+
+
+def base_name(ref: str) -> str:
+    return ref.split(":", 1)[0]
+
+
+# ---------------------------------------------------------------- parsing
+_PROGRAM_FIELDS = {
+    "schema", "name", "seed", "leaves", "ops", "roots", "loss", "mode",
+    "inputs", "retain_graph", "repeat",
+}
+_REQUIRED_FIELDS = {"schema", "leaves", "ops", "roots"}
+_LEAF_FIELDS = {"name", "shape", "dtype", "requires_grad"}
+_OP_FIELDS = {"name", "op", "inputs", "attrs"}
+
+
+def _expect(cond: bool, where: str, message: str) -> None:
+    if not cond:
+        raise IRError(where, message)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_fields(obj: Any, where: str, allowed: set[str], required: set[str]) -> None:
+    _expect(isinstance(obj, dict), where, f"expected an object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - allowed)
+    _expect(not unknown, where, f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+    missing = sorted(required - set(obj))
+    _expect(not missing, where, f"missing field(s) {missing}")
+
+
+def _parse_program(data: Any) -> Program:
+    _check_fields(data, "program", _PROGRAM_FIELDS, _REQUIRED_FIELDS)
+    schema = data["schema"]
+    _expect(
+        schema == SCHEMA_VERSION,
+        "schema",
+        f"unsupported schema version {schema!r} (this fuzz reads {SCHEMA_VERSION})",
+    )
+    leaves_raw = data["leaves"]
+    _expect(isinstance(leaves_raw, list), "leaves", "expected a list")
+    leaves = []
+    for i, raw in enumerate(leaves_raw):
+        where = f"leaves[{i}]"
+        _check_fields(raw, where, _LEAF_FIELDS, {"name", "shape"})
+        shape = raw["shape"]
+        _expect(
+            isinstance(shape, list) and all(_is_int(d) for d in shape),
+            f"{where}.shape",
+            f"expected a list of ints, got {shape!r}",
+        )
+        rg = raw.get("requires_grad", True)
+        _expect(isinstance(rg, bool), f"{where}.requires_grad", f"expected a bool, got {rg!r}")
+        leaves.append(Leaf(raw["name"], tuple(shape), raw.get("dtype", "float32"), rg))
+    ops_raw = data["ops"]
+    _expect(isinstance(ops_raw, list), "ops", "expected a list")
+    ops = []
+    for i, raw in enumerate(ops_raw):
+        where = f"ops[{i}]"
+        _check_fields(raw, where, _OP_FIELDS, {"name", "op", "inputs"})
+        inputs = raw["inputs"]
+        _expect(isinstance(inputs, list), f"{where}.inputs", f"expected a list, got {inputs!r}")
+        attrs = raw.get("attrs", {})
+        _expect(isinstance(attrs, dict), f"{where}.attrs", f"expected an object, got {attrs!r}")
+        ops.append(Op(raw["name"], raw["op"], tuple(inputs), dict(attrs)))
+    roots = data["roots"]
+    _expect(isinstance(roots, list), "roots", f"expected a list, got {roots!r}")
+    inputs = data.get("inputs")
+    _expect(inputs is None or isinstance(inputs, list), "inputs", f"expected a list or null, got {inputs!r}")
+    return Program(
+        leaves=tuple(leaves),
+        ops=tuple(ops),
+        roots=tuple(roots),
+        loss=data.get("loss", "sum"),
+        mode=data.get("mode", "backward"),
+        inputs=None if inputs is None else tuple(inputs),
+        retain_graph=data.get("retain_graph"),
+        repeat=data.get("repeat", 1),
+        seed=data.get("seed", 0),
+        name=data.get("name", ""),
+    )
+
+
+# ------------------------------------------------------------- validation
+def validate(program: Program) -> dict[str, ValueInfo]:
+    """Checks every field and runs shape inference.
+
+    Returns the inferred :class:`ValueInfo` of every value reference; raises
+    :class:`IRError` naming the first problem found.
+    """
+    from fuzz import ops as catalog
+
+    _expect(isinstance(program.name, str), "name", f"expected a string, got {program.name!r}")
+    _expect(_is_int(program.seed) and program.seed >= 0, "seed", f"expected an int >= 0, got {program.seed!r}")
+    _expect(program.loss in LOSSES, "loss", f"unknown loss {program.loss!r}; expected one of {list(LOSSES)}")
+    _expect(program.mode in MODES, "mode", f"unknown mode {program.mode!r}; expected one of {list(MODES)}")
+    _expect(
+        program.retain_graph is None or isinstance(program.retain_graph, bool),
+        "retain_graph",
+        f"expected a bool or null, got {program.retain_graph!r}",
+    )
+    _expect(_is_int(program.repeat) and program.repeat >= 1, "repeat", f"expected an int >= 1, got {program.repeat!r}")
+    _expect(
+        program.repeat == 1 or program.retain_graph is True,
+        "repeat",
+        f"repeat={program.repeat} needs retain_graph=true",
+    )
+
+    values: dict[str, ValueInfo] = {}
+    names: set[str] = set()
+    multi: dict[str, int] = {}
+
+    def declare(name: Any, where: str) -> None:
+        _expect(
+            isinstance(name, str) and bool(_NAME_RE.match(name)),
+            where,
+            f"invalid name {name!r} (expected an identifier)",
+        )
+        _expect(name not in names, where, f"duplicate name {name!r}")
+        names.add(name)
+
+    for i, leaf in enumerate(program.leaves):
+        where = f"leaves[{i}]"
+        declare(leaf.name, f"{where}.name")
+        _expect(
+            leaf.dtype in DTYPES, f"{where}.dtype", f"unknown dtype {leaf.dtype!r}; expected one of {list(DTYPES)}"
+        )
+        _expect(
+            isinstance(leaf.shape, tuple) and all(_is_int(d) and d >= 0 for d in leaf.shape),
+            f"{where}.shape",
+            f"expected non-negative ints, got {list(leaf.shape)!r}",
+        )
+        _expect(isinstance(leaf.requires_grad, bool), f"{where}.requires_grad", "expected a bool")
+        values[leaf.name] = ValueInfo(leaf.name, leaf.shape, leaf.dtype, leaf.requires_grad)
+
+    def resolve(ref: Any, where: str) -> ValueInfo:
+        _expect(isinstance(ref, str), where, f"expected a value reference (string), got {ref!r}")
+        m = _REF_RE.match(ref)
+        _expect(m is not None, where, f"malformed value reference {ref!r}")
+        base, index = m.group(1), m.group(2)
+        if base in multi:
+            n = multi[base]
+            _expect(
+                index is not None,
+                where,
+                f"{base!r} has {n} outputs; refer to one as '{base}:0' .. '{base}:{n - 1}'",
+            )
+            _expect(int(index) < n, where, f"{ref!r}: {base!r} has only {n} outputs")
+        else:
+            _expect(index is None or base not in values, where, f"{base!r} has a single output; write {base!r}")
+        _expect(ref in values, where, f"unknown value {ref!r} (not a leaf or an earlier op's output)")
+        return values[ref]
+
+    for i, op in enumerate(program.ops):
+        where = f"ops[{i}]"
+        declare(op.name, f"{where}.name")
+        _expect(isinstance(op.op, str) and op.op in catalog.OPS, f"{where}.op", f"unknown op {op.op!r}")
+        spec = catalog.OPS[op.op]
+        n_in = len(op.inputs)
+        _expect(
+            spec.min_arity <= n_in <= spec.max_arity,
+            f"{where}.inputs",
+            f"{op.op} takes {spec.arity_text()} input(s), got {n_in}",
+        )
+        infos = [resolve(ref, f"{where}.inputs[{j}]") for j, ref in enumerate(op.inputs)]
+        try:
+            catalog.check_attrs(spec, op.attrs)
+            out_shapes = spec.infer([info.shape for info in infos], op.attrs)
+            out_dtype = spec.out_dtype([info.dtype for info in infos], op.attrs, [info.shape for info in infos])
+        except catalog.AttrError as e:
+            raise IRError(f"{where}.attrs" + (f".{e.attr}" if e.attr else ""), f"{op.op}: {e}") from None
+        except catalog.DTypeError as e:
+            dtypes = ", ".join(info.dtype for info in infos)
+            raise IRError(where, f"{op.op}: dtype mismatch: {e} (input dtypes {dtypes})") from None
+        except catalog.ShapeError as e:
+            shapes = ", ".join(str(list(info.shape)) for info in infos)
+            raise IRError(where, f"{op.op}: shape mismatch: {e} (input shapes {shapes})") from None
+        rg = spec.differentiable and any(
+            info.requires_grad for j, info in enumerate(infos) if j not in spec.nondiff_inputs
+        )
+        if spec.multi_output:
+            multi[op.name] = len(out_shapes)
+            for k, shape in enumerate(out_shapes):
+                ref = f"{op.name}:{k}"
+                values[ref] = ValueInfo(ref, shape, out_dtype, rg)
+        else:
+            values[op.name] = ValueInfo(op.name, out_shapes[0], out_dtype, rg)
+
+    _expect(len(program.roots) >= 1, "roots", "at least one root is needed")
+    for j, ref in enumerate(program.roots):
+        info = resolve(ref, f"roots[{j}]")
+        _expect(
+            info.requires_grad,
+            f"roots[{j}]",
+            f"root {ref!r} does not require grad (no leaf with requires_grad reaches it)",
+        )
+    if program.mode == "grad":
+        _expect(bool(program.inputs), "inputs", "mode 'grad' needs a non-empty list of inputs")
+    if program.inputs is not None:
+        _expect(len(program.inputs) >= 1, "inputs", "an empty inputs= list is not allowed (use null)")
+        for j, ref in enumerate(program.inputs):
+            info = resolve(ref, f"inputs[{j}]")
+            _expect(info.requires_grad, f"inputs[{j}]", f"input {ref!r} does not require grad")
+            if program.mode == "backward":
+                _expect(
+                    any(leaf.name == ref for leaf in program.leaves),
+                    f"inputs[{j}]",
+                    f"mode 'backward' restricts inputs= to leaves; {ref!r} is not a leaf",
+                )
+        _expect(len(set(program.inputs)) == len(program.inputs), "inputs", "duplicate entries")
+    return values
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+__all__ = [
+    "DTYPES",
+    "IRError",
+    "Leaf",
+    "LOSSES",
+    "MODES",
+    "Op",
+    "Program",
+    "SCHEMA_VERSION",
+    "Shape",
+    "ValueInfo",
+    "base_name",
+    "validate",
+]
+

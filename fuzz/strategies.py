@@ -1,0 +1,225 @@
+"""Hypothesis strategies for random autograd programs.
+
+:func:`programs` builds a DAG op by op: it picks an op from the catalog, a
+first input among the values made so far whose shape the op accepts (or a new
+leaf), then lets the op's ``plan`` draw the shapes of its other inputs and its
+attributes; each other input reuses a value of that shape or is a new leaf.
+Every draw is ordered so that Hypothesis' shrinking moves toward simpler
+programs: fewer ops, fewer and smaller leaves, reuse of existing values, the
+first ops of the catalog, loss ``"sum"``, mode ``"backward"``, one root.
+
+The result is validated, so it always type-checks, and pruned (ops that no
+root or input needs are dropped) unless ``GenConfig.prune`` is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis import strategies as st
+
+from fuzz import ops as catalog
+from fuzz.ir import DTYPES, LOSSES, MODES, Leaf, Op, Program, ValueInfo, base_name, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class GenConfig:
+    """Knobs of :func:`programs`; the defaults are what a campaign uses."""
+
+    max_ops: int = 12
+    max_leaves: int = 5
+    dtypes: tuple[str, ...] = DTYPES
+    ops: tuple[str, ...] | None = None  # None: the whole catalog
+    modes: tuple[str, ...] = MODES
+    losses: tuple[str, ...] = LOSSES
+    max_roots: int = 3
+    mixed_dtypes: bool = True  # now and then a leaf of the other dtype
+    no_grad_leaves: bool = True  # now and then a leaf with requires_grad=False
+    inputs_restriction: bool = True  # now and then backward(inputs=...)
+    repeat: bool = False  # now and then two backwards with retain_graph=True
+    # Drop ops that no root needs. A campaign turns this off and prunes each
+    # program itself: then the number of ops the shrinker sees only goes down
+    # as it deletes choices (pruning first would let a simpler choice make
+    # more ops live).
+    prune: bool = True
+
+    def op_names(self) -> list[str]:
+        names = list(self.ops) if self.ops is not None else list(catalog.OPS)
+        unknown = [n for n in names if n not in catalog.OPS]
+        if unknown:
+            raise ValueError(f"unknown op(s) {unknown}; known: {sorted(catalog.OPS)}")
+        if not names:
+            raise ValueError("no ops to generate from")
+        return names
+
+
+def _rare(draw: Any, one_in: int = 8) -> bool:
+    """True about once in ``one_in`` draws; shrinks to False."""
+    return draw(st.integers(0, one_in - 1)) == one_in - 1
+
+
+def _first_shape(draw: Any, spec: catalog.OpSpec) -> tuple[int, ...] | None:
+    ranks = [
+        r for r in range(catalog.MAX_RANK + 1) if spec.accepts((1,) * r) or spec.accepts((2,) * r)
+    ]
+    if not ranks:
+        return None
+    rank = draw(st.sampled_from(ranks))
+    for _ in range(3):
+        shape = tuple(draw(st.integers(1, catalog.MAX_DIM)) for _ in range(rank))
+        if spec.accepts(shape):
+            return shape
+    for fallback in ((2,) * rank, (1,) * rank):
+        if spec.accepts(fallback):
+            return fallback
+    return None  # pragma: no cover
+
+
+class _Builder:
+    def __init__(self, draw: Any, cfg: GenConfig):
+        self.draw = draw
+        self.cfg = cfg
+        self.leaves: list[Leaf] = []
+        self.ops: list[Op] = []
+        self.pool: list[ValueInfo] = []
+        self.dtype = draw(st.sampled_from(list(cfg.dtypes)))
+
+    def new_leaf(self, shape: tuple[int, ...], dtype: str | None = None) -> ValueInfo | None:
+        if len(self.leaves) >= self.cfg.max_leaves:
+            return None
+        draw = self.draw
+        if dtype is None:
+            dtype = self.dtype
+            others = [d for d in self.cfg.dtypes if d != dtype]
+            if self.cfg.mixed_dtypes and others and _rare(draw):
+                dtype = draw(st.sampled_from(others))
+        requires_grad = not (self.leaves and self.cfg.no_grad_leaves and _rare(draw, 6))
+        leaf = Leaf(f"x{len(self.leaves)}", tuple(shape), dtype, requires_grad)
+        self.leaves.append(leaf)
+        info = ValueInfo(leaf.name, leaf.shape, dtype, requires_grad)
+        self.pool.append(info)
+        return info
+
+    def pick(self, candidates: Sequence[ValueInfo], shape: tuple[int, ...], dtype: str | None) -> ValueInfo | None:
+        """Reuses a candidate (most recent first) or makes a new leaf."""
+        draw = self.draw
+        if candidates:
+            i = draw(st.integers(0, len(candidates)))
+            if i < len(candidates) or len(self.leaves) >= self.cfg.max_leaves:
+                return candidates[-1 - min(i, len(candidates) - 1)]
+        return self.new_leaf(shape, dtype)
+
+    def add_op(self, op_name: str) -> None:
+        draw = self.draw
+        spec = catalog.OPS[op_name]
+        firsts = [v for v in self.pool if spec.accepts(v.shape)]
+        first: ValueInfo | None
+        if firsts and not (len(self.leaves) < self.cfg.max_leaves and _rare(draw)):
+            # mostly the newest value, so that programs grow deep, not wide
+            back = 0 if len(firsts) == 1 or not _rare(draw, 3) else draw(st.integers(1, len(firsts) - 1))
+            first = firsts[-1 - back]
+        else:
+            shape = _first_shape(draw, spec)
+            first = None if shape is None else self.new_leaf(shape)
+        if first is None:
+            return
+        other_shapes, attrs = spec.plan(draw, first.shape)
+        inputs = [first]
+        same_dtype = first.dtype if spec.dtype_rule == "same" else None
+        for shape in other_shapes:
+            cands = [
+                v for v in self.pool if v.shape == tuple(shape) and (same_dtype is None or v.dtype == same_dtype)
+            ]
+            chosen = self.pick(cands, tuple(shape), same_dtype)
+            if chosen is None:
+                return
+            inputs.append(chosen)
+        name = f"v{len(self.ops)}"
+        # The catalog's rules must agree with its plans; a SpecError here is a
+        # bug in fuzz/ops.py and is left to surface.
+        out_shapes = spec.infer([v.shape for v in inputs], attrs)
+        out_dtype = spec.out_dtype([v.dtype for v in inputs], attrs, [v.shape for v in inputs])
+        rg = spec.differentiable and any(
+            v.requires_grad for j, v in enumerate(inputs) if j not in spec.nondiff_inputs
+        )
+        self.ops.append(Op(name, op_name, tuple(v.ref for v in inputs), attrs))
+        refs = [f"{name}:{k}" for k in range(len(out_shapes))] if spec.multi_output else [name]
+        for ref, shape in zip(refs, out_shapes):
+            self.pool.append(ValueInfo(ref, tuple(shape), out_dtype, rg))
+
+
+def _ancestry(ops: Sequence[Op], refs: Sequence[str]) -> set[str]:
+    needed = {base_name(r) for r in refs}
+    for op in reversed(ops):
+        if op.name in needed:
+            needed.update(base_name(r) for r in op.inputs)
+    return needed
+
+
+@st.composite
+def _programs(draw: Any, cfg: GenConfig) -> Program:
+    op_names = cfg.op_names()
+    b = _Builder(draw, cfg)
+    b.new_leaf(draw(st.lists(st.integers(1, catalog.MAX_DIM), max_size=catalog.MAX_RANK).map(tuple)))
+    # Generation favours small indices (so would sampled_from); a rotation
+    # drawn once per program spreads the ops evenly over the catalog, while
+    # shrinking still lowers each op's index.
+    rotation = draw(st.integers(0, len(op_names) - 1))
+    for i in range(cfg.max_ops):
+        # An "another op?" flag before each op but the first, as st.lists
+        # has: the shrinker deletes an op together with its flag. It stops on
+        # its largest value, so generation (which favours small values) makes
+        # longer programs.
+        if i and draw(st.integers(0, 4)) == 4:
+            break
+        b.add_op(op_names[(rotation + draw(st.integers(0, len(op_names) - 1))) % len(op_names)])
+
+    op_values = [v for v in b.pool if v.requires_grad and base_name(v.ref) not in {leaf.name for leaf in b.leaves}]
+    leaf_values = [v for v in b.pool if v.requires_grad and v not in op_values]
+    main = op_values[-1] if op_values else leaf_values[0]
+    consumed = {r for op in b.ops for r in op.inputs}
+    sinks = [v.ref for v in op_values if v.ref not in consumed and v.ref != main.ref]
+    roots = [main.ref]
+    for ref in reversed(sinks):  # most other sinks become roots too
+        if len(roots) < cfg.max_roots and not _rare(draw, 4):
+            roots.append(ref)
+    loss = draw(st.sampled_from(list(cfg.losses)))
+    mode = draw(st.sampled_from(list(cfg.modes)))
+
+    needed = _ancestry(b.ops, roots)
+    rg_needed = [v.ref for v in b.pool if v.requires_grad and base_name(v.ref) in needed]
+    rg_leaves = [leaf.name for leaf in b.leaves if leaf.requires_grad and leaf.name in needed]
+    inputs: list[str] | None = None
+    if mode == "grad":
+        inputs = draw(st.lists(st.sampled_from(rg_needed), min_size=1, max_size=3, unique=True))
+    elif cfg.inputs_restriction and rg_leaves and _rare(draw, 5):
+        inputs = draw(st.lists(st.sampled_from(rg_leaves), min_size=1, max_size=3, unique=True))
+
+    retain_graph, repeat = None, 1
+    if cfg.repeat and _rare(draw, 6):
+        retain_graph, repeat = True, 2
+    seed = draw(st.integers(0, 2**32 - 1))
+    program = Program(
+        leaves=tuple(b.leaves),
+        ops=tuple(b.ops),
+        roots=tuple(roots),
+        loss=loss,
+        mode=mode,
+        inputs=None if inputs is None else tuple(inputs),
+        retain_graph=retain_graph,
+        repeat=repeat,
+        seed=seed,
+    )
+    if cfg.prune:
+        program = program.pruned()
+    validate(program)
+    return program
+
+
+def programs(config: GenConfig | None = None, **overrides: Any) -> st.SearchStrategy[Program]:
+    """Random valid programs; ``overrides`` replace :class:`GenConfig` fields."""
+    cfg = dataclasses.replace(config or GenConfig(), **overrides)
+    cfg.op_names()  # fail early on unknown names
+    return _programs(cfg)

@@ -1,0 +1,59 @@
+"""A deliberately wrong subject, for testing the fuzzer itself.
+
+``BrokenMulSubject`` is eager autograd that adds 1 to every gradient it
+returns when the backward graph contains a ``MulBackward0`` node (``mul`` or
+``mul_scalar`` in the IR). Any program using those ops diverges; every other
+program agrees with eager. Load it with ``--plugin PATH/broken_subject.py:BrokenMulSubject``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import harness
+from harness.program import ProgramRun, run_backward
+
+
+def graph_has(outputs: list[torch.Tensor], node_name: str) -> bool:
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == node_name:
+            return True
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return False
+
+
+class BrokenMulSubject(harness.EagerSubject):
+    def __init__(self) -> None:
+        super().__init__("broken[mul]")
+
+    def run(self, run: ProgramRun):
+        hit = graph_has(run.outputs, "MulBackward0")
+        result = run_backward(run)
+        if hit:
+            with torch.no_grad():
+                for leaf in run.leaves:
+                    if leaf.grad is not None:
+                        leaf.grad.add_(1)
+            if result is not None:
+                result = tuple(None if g is None else g + 1 for g in result)
+        return result
+
+
+class InterruptOnSecondMul(BrokenMulSubject):
+    """Like :class:`BrokenMulSubject`, but the second diverging run raises
+    KeyboardInterrupt: a campaign stopped in the middle of a shrink."""
+
+    hits = 0
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "MulBackward0"):
+            type(self).hits += 1
+            if type(self).hits == 2:
+                raise KeyboardInterrupt
+        return super().run(run)

@@ -1,0 +1,178 @@
+"""The campaign command end to end: report, exit status, shrinking, resume."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from fuzz.campaign import Campaign, CampaignConfig
+from fuzz.cli import main
+from fuzz.ir import Program
+from fuzz.strategies import GenConfig
+
+HERE = Path(__file__).resolve().parent
+BROKEN = f"{HERE / 'broken_subject.py'}:BrokenMulSubject"
+REPORT_FIELDS = {
+    "schema",
+    "seed",
+    "budget_s",
+    "elapsed_s",
+    "programs_run",
+    "op_counts",
+    "subjects",
+    "failures",
+    "torch_version",
+}
+FAILURE_FIELDS = {"signature", "count", "reproducer", "program_json", "first_outcome"}
+
+
+def _campaign(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fuzz", "campaign", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=HERE.parent.parent,
+    )
+
+
+def test_short_clean_campaign_writes_report_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _campaign("--budget", "6", "--seed", "5", "--out", str(out), "--subjects", "eager", "--no-progress")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert REPORT_FIELDS <= set(report)
+    assert report["schema"] == 1 and report["seed"] == 5 and report["budget_s"] == 6
+    assert report["elapsed_s"] >= 6
+    assert report["programs_run"] > 0
+    assert report["subjects"] == ["eager"]
+    assert report["failures"] == []
+    assert report["torch_version"]
+    assert sum(report["op_counts"].values()) > 0
+    assert report["outcome_counts"]["eager@cpu"]["equal"] == report["programs_run"]
+    assert "report.json" in proc.stderr
+
+    # the same command again goes on where it stopped
+    result = CliRunner().invoke(
+        main, ["campaign", "--budget", "1", "--seed", "5", "--out", str(out), "--subjects", "eager", "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    again = json.loads((out / "report.json").read_text())
+    assert again["programs_run"] > report["programs_run"]
+    assert len(again["sessions"]) == 2
+    assert again["rounds"] > report["rounds"]
+    assert all(again["op_counts"][k] >= v for k, v in report["op_counts"].items())
+
+    # ... but not with another seed
+    result = CliRunner().invoke(main, ["campaign", "--budget", "1", "--seed", "6", "--out", str(out), "--subjects", "eager"])
+    assert result.exit_code == 2
+    assert "seed 5" in result.output
+
+
+def test_injected_divergence_exits_1_with_a_shrunk_reproducer(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _campaign(
+        "--budget", "8", "--seed", "3", "--out", str(out), "--plugin", BROKEN, "--shrink-seconds", "30", "--no-progress"
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["subjects"] == ["broken[mul]"]
+    failures = report["failures"]
+    assert failures
+    for f in failures:
+        assert FAILURE_FIELDS <= set(f)
+        assert f["signature"].startswith("broken[mul]@cpu mismatch value [")
+        assert f["first_outcome"]["subject"] == "broken[mul]" and f["first_outcome"]["status"] == "mismatch"
+        assert f["count"] >= 1
+        program = Program.from_json((out / f["program_json"]).read_text())
+        original = Program.from_json((out / f["program_json"]).with_name("original.json").read_text())
+        # shrinking keeps what triggers the bug and never grows the program
+        assert {"mul", "mul_scalar"} & set(program.op_names())
+        assert f["shrunk_ops"] == len(program.ops) <= f["original_ops"] == len(original.ops)
+        # the reproducer replays the divergence
+        repro = out / f["reproducer"]
+        assert repro.exists()
+        assert runpy.run_path(str(repro), run_name="repro")["main"]([]) == 1
+    # shrinking made a program smaller, down to the op alone
+    assert any(f["shrunk_ops"] < f["original_ops"] for f in failures)
+    assert min(f["shrunk_ops"] for f in failures) == 1
+    # distinct signatures only; later hits of a known one are counted
+    assert len({f["signature"] for f in failures}) == len(failures)
+    assert sum(f["count"] for f in failures) > len(failures)
+
+
+def _ops_seen(tmp_path: Path, name: str) -> dict:
+    cfg = CampaignConfig(
+        budget_s=120,
+        seed=9,
+        out=tmp_path / name,
+        subjects=["eager"],
+        gen=GenConfig(max_ops=6),
+        progress=False,
+        max_programs=25,
+        round_size=10,
+    )
+    assert Campaign(cfg).run() == 0
+    return json.loads((tmp_path / name / "report.json").read_text())
+
+
+def test_campaign_is_reproducible_from_its_seed(tmp_path: Path) -> None:
+    a, b = _ops_seen(tmp_path, "a"), _ops_seen(tmp_path, "b")
+    assert a["programs_run"] == b["programs_run"] == 25
+    assert a["op_counts"] == b["op_counts"]
+    assert a["rounds"] == b["rounds"] == 3
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    runner = CliRunner()
+    base = ["campaign", "--budget", "1", "--out", str(tmp_path / "o")]
+    result = runner.invoke(main, [*base, "--subjects", "nonsense[x"])
+    assert result.exit_code == 2 and "bad subject name" in result.output
+    result = runner.invoke(main, [*base, "--ops", "add,nope"])
+    assert result.exit_code == 2 and "unknown op" in result.output
+    result = runner.invoke(main, [*base, "--dtypes", "int8"])
+    assert result.exit_code == 2
+    result = runner.invoke(main, [*base, "--plugin", "missing_file.py:X"])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    result = runner.invoke(main, ["campaign", "--budget", "1", "--out", str(a_file)])
+    assert result.exit_code == 2
+    result = runner.invoke(main, ["campaign", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "--budget" in result.output
+
+
+def test_ops_command_lists_the_catalog() -> None:
+    result = CliRunner().invoke(main, ["ops"])
+    assert result.exit_code == 0
+    for name in ("matmul", "softmax", "split", "where"):
+        assert name in result.output
+
+
+def test_a_campaign_interrupted_while_shrinking_resumes_the_shrink(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    def config(plugin: str, **kw) -> CampaignConfig:
+        return CampaignConfig(
+            budget_s=120, seed=3, out=out, plugins=[f"{HERE / 'broken_subject.py'}:{plugin}"], progress=False, **kw
+        )
+
+    assert Campaign(config("InterruptOnSecondMul")).run() == 130
+    state = json.loads((out / "state.json").read_text())
+    assert state["open_round"] == 0 and state["failures"] == []
+    assert any((out / "hypothesis" / "round-00000").rglob("*"))  # the divergence is kept
+    first = state["programs_run"]
+
+    # Resumed, the round replays the kept divergence first: one program more
+    # and the failure is shrunk and recorded.
+    assert Campaign(config("BrokenMulSubject", max_programs=1)).run() == 1
+    report = json.loads((out / "report.json").read_text())
+    assert report["programs_run"] == first + 1
+    assert len(report["failures"]) == 1
+    assert report["failures"][0]["shrunk_ops"] <= report["failures"][0]["original_ops"]
+    assert not (out / "hypothesis" / "round-00000").exists()
