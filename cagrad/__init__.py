@@ -14,8 +14,13 @@ See DESIGN.md for the architecture; the modules map onto it:
 ``cache``              CacheNode trie, compiled entries, fallback verdicts
 ``saved_variables``    SavedTensorHolder and SwapSavedVariables
 ``hooks_census``       finding every hook a backward would run
+``walk``               the engine's per-node steps, for tracing and running
 ``compiler``           AutogradCompilerInstance: the trace
-``validate``           the engine's validate_outputs, traced
+``interpreter``        the walk on real tensors (finishing deopted runs)
+``runtime_ops``        opaque calls: hooks, opaque nodes, AccumulateGrad
+``custom_function``    custom autograd.Function backward as PyNode runs it
+``segments``           graphs cut at opaque calls, compiled per segment
+``validate``           the engine's validate_outputs
 ``accumulate``         AccumulateGrad semantics for ``.grad``
 ``runtime``            the runtime wrapper around a compiled graph
 ``compiled_backward``  one backward: collect, look up, capture, run
@@ -25,6 +30,7 @@ See DESIGN.md for the architecture; the modules map onto it:
 =====================  =====================================================
 """
 
+from . import custom_function as _custom_function
 from . import hooks_census as _hooks_census
 from .api import Capture, capture, enable, reset
 from .cache_key import CacheKey
@@ -32,5 +38,6 @@ from .counters import counters
 from .errors import Unsupported
 
 _hooks_census.install()
+_custom_function.install()
 
 __all__ = ["CacheKey", "Capture", "Unsupported", "capture", "counters", "enable", "reset"]

@@ -21,29 +21,29 @@ from __future__ import annotations
 import torch
 
 
-def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly once.
+def dense_strides(shape: tuple[int, ...] | torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether a layout's elements fill its storage span exactly once.
 
-    Same rule as ``TensorImpl::compute_non_overlapping_and_dense``: sorted by
+    Same rule as ``TensorImpl::compute_non_overlapping_and_dense`` (with
+    ``is_contiguous`` first, as ``refresh_contiguous`` does): sorted by
     stride, each dimension of size 2 or more must have the stride of the
-    product of the sizes before it; dimensions of size 0 or 1 do not count.
-    A contiguous tensor (any tensor with no elements included) qualifies, as
-    in ``TensorImpl::refresh_contiguous``.
+    product of the sizes before it; dimensions of size 0 or 1 do not count,
+    and a tensor with no elements qualifies.
     """
-    if t.is_contiguous():
+    if any(s == 0 for s in shape):
         return True
-    if t.dim() == 1:
-        return t.size(0) < 2 or t.stride(0) == 1
-    dims = sorted(
-        (d for d in range(t.dim()) if t.size(d) >= 2),
-        key=lambda d: t.stride(d),
-    )
+    dims = sorted((d for d in range(len(shape)) if shape[d] >= 2), key=lambda d: strides[d])
     expected = 1
     for d in dims:
-        if t.stride(d) != expected:
+        if strides[d] != expected:
             return False
-        expected *= t.size(d)
+        expected *= shape[d]
     return True
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """:func:`dense_strides` of a tensor's layout."""
+    return dense_strides(t.shape, t.stride())
 
 
 def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:

@@ -19,11 +19,24 @@ from .compiler import Traced
 
 @dataclasses.dataclass
 class CompiledEntry:
-    """A compiled backward: the callable from compiler_fn and its plan."""
+    """A compiled backward.
 
-    fn: Callable[..., Any]
+    Attributes:
+        fn: compiler_fn's callable for the whole graph (None when segmented).
+        traced: the captured graph and its input/output plan.
+        segmented: the graph cut at its opaque calls, segments compiled.
+        calls: how many times it ran; the first run also compiles.
+        deopts: runs the interpreter had to finish.
+        last_deopt: ``((pos, phase), which results were defined)`` of the
+            last failed check.
+    """
+
+    fn: Callable[..., Any] | None
     traced: Traced
-    calls: int = 0  # how many times fn ran; the first run also compiles
+    segmented: Any = None
+    calls: int = 0
+    deopts: int = 0
+    last_deopt: Any = None
 
 
 @dataclasses.dataclass
@@ -35,13 +48,21 @@ class FallbackVerdict:
 
 
 class CacheNode:
-    """One trie node; ``entry`` is set on the node that ends a sequence."""
+    """One trie node; ``entry`` is set on the node that ends a sequence.
 
-    __slots__ = ("children", "entry")
+    ``profile`` and ``respeculations`` belong to the node that ends a
+    sequence too: the None patterns seen where a trace's assumption failed
+    (see :class:`cagrad.walk.BackwardWalk`), and how often it was recaptured
+    for them.
+    """
+
+    __slots__ = ("children", "entry", "profile", "respeculations")
 
     def __init__(self) -> None:
         self.children: dict[CacheKey, CacheNode] = {}
         self.entry: CompiledEntry | FallbackVerdict | None = None
+        self.profile: dict[Any, tuple[bool, ...]] = {}
+        self.respeculations = 0
 
     def lookup(self, keys: Sequence[CacheKey]) -> CacheNode:
         """The node for ``keys``, creating the missing part of the path."""

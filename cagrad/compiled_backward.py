@@ -3,9 +3,11 @@
 ::
 
     collect_backward   GraphTask + one CacheKey per node + lifted tensors
+                       + runtime objects (hooks, opaque nodes, leaves)
     cache lookup       CacheNode trie, per compiler
     miss               AutogradCompilerInstance.capture -> compiler_fn
-    run                runtime wrapper: compiled fn, .grad, release
+                       (per segment when the graph has opaque calls)
+    run                runtime wrapper: compiled graph, .grad, release
 
 Anything unsupported raises :class:`Unsupported` before a side effect, and
 the whole backward runs in eager autograd instead (counted, logged).
@@ -20,17 +22,16 @@ from typing import Any
 
 import torch
 
-from . import compiled_node_args
-from .cache import CacheNode, CompiledEntry, FallbackVerdict
+from . import runtime, segments
 from .backends import check_graph
+from .cache import CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
-from .compiled_node_args import TensorArgs, write_tensor
+from .compiled_node_args import Collector, write_tensor
 from .compiler import AutogradCompilerInstance, Traced
 from .counters import counters
 from .errors import EagerError, Unsupported
 from .graph_task import GraphTask
 from .hooks_census import Census
-from .runtime import apply_results, call_compiled
 
 log = logging.getLogger("cagrad")
 
@@ -41,13 +42,14 @@ class CollectedBackward:
 
     Attributes:
         task: structure and run order.
-        args: lifted tensors (root gradients first).
+        collector: lifted tensors (root gradients first), runtime objects,
+            node plans.
         task_key: the ``GraphTask`` key (roots, inputs, mode).
         node_keys: one CacheKey per node in run order.
     """
 
     task: GraphTask
-    args: TensorArgs
+    collector: Collector
     task_key: CacheKey
     node_keys: list[CacheKey]
 
@@ -76,14 +78,14 @@ def collect_backward(
     inputs: Sequence[torch.Tensor],
     accumulate_grad: bool,
 ) -> CollectedBackward:
-    """Walks the graph in eager's order and collects keys and lifted tensors.
+    """Walks the graph in eager's order and collects keys, tensors, objects.
 
     Raises:
         Unsupported: something in the graph cannot be compiled.
         EagerError: eager would raise (see :class:`EagerError`).
     """
     task = GraphTask(tensors, inputs, accumulate_grad)
-    args = TensorArgs()
+    collector = Collector(task, Census())
     w = KeyWriter()
     w.tag(b"A" if accumulate_grad else b"G")
     w.size(len(grad_tensors))
@@ -91,7 +93,7 @@ def collect_backward(
         if g is None:
             raise EagerError(RuntimeError(f"element {i} of gradients tuple is None"))
         write_tensor(w, g, f"gradient {i} of the roots")
-        args.add(g.detach() if g.requires_grad else g, None)
+        collector.args.add(g.detach() if g.requires_grad else g, None)
     w.size(len(task.output_edges))
     for fn, input_nr in task.output_edges:
         call = task.call_of.get(fn) if fn is not None else None
@@ -100,15 +102,20 @@ def collect_backward(
         else:
             w.size(call.id)
             w.size(input_nr)
-    census = Census()
-    node_keys = [compiled_node_args.collect(task, call, args, census) for call in task.order]
-    return CollectedBackward(task, args, CacheKey("GraphTask", w.getvalue()), node_keys)
+    node_keys = [collector.collect(call) for call in task.order]
+    return CollectedBackward(task, collector, CacheKey("GraphTask", w.getvalue()), node_keys)
 
 
-def trace(collected: CollectedBackward) -> Traced:
+def trace(collected: CollectedBackward, profile: dict | None = None) -> Traced:
     """Captures ``collected`` into a GraphModule (no compile, no run)."""
+    collector = collected.collector
     return AutogradCompilerInstance(
-        collected.task, collected.args, len(collected.task.root_edges)
+        collected.task,
+        collector.plans,
+        collector.args,
+        len(collected.task.root_edges),
+        accumulate_at_end=not collector.any_opaque,
+        profile=profile,
     ).capture()
 
 
@@ -145,6 +152,7 @@ def run(
 ) -> Any:
     """Runs one backward through cagrad, or through eager when it must."""
     counters.bump("backwards")
+    outs = None
     try:
         check_supported_mode(call.create_graph)
         collected = collect_backward(
@@ -158,25 +166,53 @@ def run(
             raise Unsupported(entry.reason, entry.detail)
         else:
             counters.bump("cache_hits")
-        first_run = entry.calls == 0
-        try:
-            outs = call_compiled(entry, collected.args)
-        except Exception as e:
-            if not first_run:
-                raise
-            # the first call is when torch.compile compiles: a backend failure
-            verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
-            node.entry = verdict
-            raise Unsupported(verdict.reason, verdict.detail) from e
+        if entry.segmented is None:
+            first_run = entry.calls == 0
+            try:
+                outs = runtime.call_whole(entry, collected)
+            except Exception as e:
+                if not first_run:
+                    raise
+                # the first call is when torch.compile compiles: a backend failure
+                verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
+                node.entry = verdict
+                raise Unsupported(verdict.reason, verdict.detail) from e
     except Unsupported as u:
         counters.record_fallback(u.reason, u.detail)
         return call.run_eager(eager_engine)
     except EagerError as e:
         counters.record_fallback("eager_error", f"eager raises here: {e.cause}")
         return call.run_eager(eager_engine)
-    return apply_results(
-        entry, collected.task, collected.args, outs, call.keep_graph, call.allow_unreachable
-    )
+    if outs is not None:
+        result = runtime.finish_whole(entry, collected, outs)
+    else:
+        deopts = entry.deopts
+        result = runtime.run_segmented(entry, collected)
+        if entry.deopts != deopts:
+            _respeculate(node, entry)
+    if not call.keep_graph:
+        runtime.release(collected)
+    if call.accumulate_grad:
+        return None
+    runtime.check_unused(result, call.allow_unreachable)
+    return tuple(result)
+
+
+MAX_RESPECULATIONS = 3
+
+
+def _respeculate(node: CacheNode, entry: CompiledEntry) -> None:
+    """After a failed check: recapture with the None pattern seen there."""
+    site, pattern = entry.last_deopt
+    node.profile[site] = pattern
+    node.respeculations += 1
+    if node.respeculations > MAX_RESPECULATIONS:
+        node.entry = FallbackVerdict(
+            "speculation_failed",
+            "hooks or opaque nodes keep returning None gradients in new places",
+        )
+    else:
+        node.entry = None  # the next backward with these keys traces again
 
 
 def _capture(
@@ -186,7 +222,7 @@ def _capture(
     compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
 ) -> CompiledEntry:
     try:
-        traced = trace(collected)
+        traced = trace(collected, node.profile)
         check_graph(compiler_fn, traced.graph_module)
     except Unsupported as u:
         node.entry = FallbackVerdict(u.reason, u.detail)
@@ -194,10 +230,14 @@ def _capture(
     counters.bump("captures")
     log.debug("cagrad captured a backward of %d nodes", len(collected.node_keys))
     try:
-        fn = compile_graph(traced.graph_module)
+        if traced.has_opaque_calls:
+            sg = segments.split(traced.graph_module)
+            segments.compile_segments(sg, compile_graph)
+            entry = CompiledEntry(None, traced, segmented=sg)
+        else:
+            entry = CompiledEntry(compile_graph(traced.graph_module), traced)
     except Exception as e:
         node.entry = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
         raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
-    entry = CompiledEntry(fn, traced)
     node.entry = entry
     return entry

@@ -1,25 +1,30 @@
-"""CompiledNodeArgs: one node's cache key and the tensors it lifts.
+"""CompiledNodeArgs: each node's cache key, lifted tensors and runtime objects.
 
-For every node a backward runs, in run order, :func:`collect` writes into a
+For every node a backward runs, in run order, the :class:`Collector` decides
+how the node runs in the graph (:class:`~cagrad.walk.Kind`), writes into a
 :class:`~cagrad.cache_key.KeyWriter` everything the traced graph depends on
-that is not a graph input, and appends to the backward's :class:`TensorArgs`
-every tensor that becomes a graph input. Two backwards with equal key
-sequences trace to the same graph; that is the cache's soundness argument, so
-every branch here either writes what it read into the key or raises
+that is not a graph input, appends every tensor that becomes a graph input to
+:class:`TensorArgs`, and every object an opaque call needs (hook dicts,
+nodes, leaves) to the runtime objects. Two backwards with equal key
+sequences trace to the same graph; that is the cache's soundness argument,
+so every branch here either writes what it read into the key or raises
 :class:`~cagrad.errors.Unsupported`.
 
 Per node the key holds, in order:
 
 1. the node's discovery id and run flags (needed, captured input slots);
-2. every visible non-tensor attribute (``_saved_<name>``), in name order;
-3. for every saved tensor (and element of a saved tensor list): defined or
-   not, and its metadata (requires_grad, dtype, device, layout, sizes,
-   strides, storage offset, conjugate/negative bits for complex dtypes);
+2. how it runs: traced, opaque (a C++ node run as it is: its hidden state
+   needs no key), custom Function, or AccumulateGrad;
+3. for traced nodes, every visible non-tensor attribute (``_saved_<name>``),
+   in name order, and for every saved tensor (and element of a saved tensor
+   list): defined or not, and its metadata (requires_grad, dtype, device,
+   layout, sizes, strides, storage offset, conjugate/negative bits for
+   complex dtypes);
 4. for every edge: invalid, or the target's discovery id, input number and
    the target's input metadata there (shape, dtype, device). This also
    covers the hidden fields of the ``edge`` policy (see
    :mod:`cagrad.node_schema`);
-5. the hook census (any hook makes the backward fall back in this version);
+5. the hooks: kinds, counts and the inputs they watch;
 6. for ``AccumulateGrad``: the leaf's metadata.
 """
 
@@ -29,16 +34,18 @@ from typing import Any
 
 import torch
 
+from . import custom_function, saved_variables
 from .cache_key import CacheKey, KeyWriter
 from .errors import EagerError, Unsupported
 from .graph_task import GraphTask, NodeCall
-from .hooks_census import Census
-from .node_schema import NodeKind
-from . import saved_variables
+from .hooks_census import Census, FoundHooks
+from .node_schema import NodeKind, NodeSchema
 from .saved_variables import Slot
+from .walk import Kind, NodeHooks, NodePlan
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.ACCUMULATE: b"a"}
 
 
 class TensorArgs:
@@ -95,101 +102,189 @@ def write_input_metadata(w: KeyWriter, md: Any, what: str) -> None:
     w.device(md.device)
 
 
-def _write_saved(
-    w: KeyWriter, args: TensorArgs, value: Any, slot: Slot, what: str, claim: bool
-) -> None:
-    if value is None:
-        w.tag(b"N")
-        return
-    if claim:
-        saved_variables.claim(slot)
-    write_tensor(w, value, what)
-    args.add(value, slot)
+class Collector:
+    """Collects one backward, node by node, in run order.
 
-
-def collect(task: GraphTask, call: NodeCall, args: TensorArgs, census: Census) -> CacheKey:
-    """The CacheKey of ``call``; lifts its saved tensors into ``args``.
-
-    Raises:
-        Unsupported: the node cannot be compiled (its reason says why).
-        EagerError: eager would raise running this node (released graph,
-            tensor modified in place).
+    Attributes:
+        args: the lifted tensors.
+        objects: the runtime objects (the graph's ``hooks`` list).
+        plans: one :class:`NodePlan` per collected node.
+        releases: what to release after a backward without ``retain_graph``:
+            saved-tensor slots of traced nodes are in ``args.slots``; these
+            are the nodes run as they are.
+        any_opaque: some node has hooks or runs opaque, so leaves are
+            accumulated in order inside the graph.
     """
-    w = KeyWriter()
-    w.size(call.id)
-    w.tag(b"T" if call.needed else b"F")
-    w.size(len(call.captures))
-    for input_nr, out_idx in call.captures:
-        w.size(input_nr)
-        w.size(out_idx)
-    node = call.node
-    schema = call.schema
-    if node is None:  # the virtual GraphRoot: its edges are the roots
-        _write_edges(w, task, call)
-        return CacheKey("GraphRoot", w.getvalue())
-    kind = schema.kind
-    if kind is NodeKind.UNSUPPORTED:
-        raise Unsupported(*schema.unsupported)
-    if kind is NodeKind.CUSTOM_FUNCTION:
-        raise Unsupported("custom_function", f"{schema.name} is a Python autograd.Function backward")
-    name = schema.name
-    census.check(node, kind is NodeKind.ACCUMULATE_GRAD)
-    if kind is NodeKind.ACCUMULATE_GRAD:
-        variable = node.variable
-        if variable.grad_fn is not None:
-            raise EagerError(RuntimeError("leaf variable has been moved into the graph interior"))
-        write_tensor(w, variable, f"leaf of {name}")
-        w.value(variable.requires_grad)
-        return CacheKey(name, w.getvalue())
-    if not call.needed:
-        # captured only: it never runs, only its input slots matter
-        _write_own_inputs(w, call, name)
-        return CacheKey(name, w.getvalue())
-    for attr in schema.values:
-        w.value(getattr(node, "_saved_" + attr))
-    claim = census.claim_slots
-    for attr in schema.tensors:
-        value = saved_variables.read(node, attr)
-        _write_saved(w, args, value, (node, attr, -1), f"{name}.{attr}", claim)
-    for attr in schema.tensor_lists:
-        values = saved_variables.read(node, attr)
-        w.size(len(values))
-        for i, value in enumerate(values):
-            _write_saved(w, args, value, (node, attr, i), f"{name}.{attr}[{i}]", claim)
-    _write_edges(w, task, call)
-    if schema.split_sizes:
-        _check_split_sizes(call.edges, name)
-    return CacheKey(name, w.getvalue())
 
+    def __init__(self, task: GraphTask, census: Census) -> None:
+        self.task = task
+        self.census = census
+        self.args = TensorArgs()
+        self.objects: list[Any] = []
+        self.plans: list[NodePlan] = []
+        self.releases: list[NodeCall] = []
+        self.any_opaque = False
 
-def _write_edges(w: KeyWriter, task: GraphTask, call: NodeCall) -> None:
-    edges = task.next_edges(call)
-    call_of = task.call_of
-    w.size(len(edges))
-    for i, (fn, input_nr) in enumerate(edges):
-        if fn is None:
+    def obj(self, o: Any) -> int:
+        self.objects.append(o)
+        return len(self.objects) - 1
+
+    # -- one node -----------------------------------------------------------
+    def collect(self, call: NodeCall) -> CacheKey:
+        """The CacheKey of ``call``; lifts what it reads.
+
+        Raises:
+            Unsupported: the node cannot be compiled (its reason says why).
+            EagerError: eager would raise running this node (released graph,
+                tensor modified in place).
+        """
+        w = KeyWriter()
+        w.size(call.id)
+        w.tag(b"T" if call.needed else b"F")
+        w.size(len(call.captures))
+        for input_nr, out_idx in call.captures:
+            w.size(input_nr)
+            w.size(out_idx)
+        node = call.node
+        if node is None:  # the virtual GraphRoot: its edges are the roots
+            self.plans.append(NodePlan(Kind.ROOT))
+            self._write_edges(w, call)
+            return CacheKey("GraphRoot", w.getvalue())
+        schema = call.schema
+        name = schema.name
+        is_sink = schema.kind is NodeKind.ACCUMULATE_GRAD
+        plan = self._plan(call, schema, is_sink)
+        w.tag(_KIND_TAG[plan.kind])
+        found = self.census.hooks_of(node, is_sink) if call.needed or call.captures else None
+        if found is not None:
+            plan.hooks = self._hooks(w, found)
+            self.any_opaque = True
+        else:
+            w.tag(b"-")
+        self.plans.append(plan)
+        if plan.kind is Kind.ACCUMULATE:
+            variable = node.variable
+            write_tensor(w, variable, f"leaf of {name}")
+            return CacheKey(name, w.getvalue())
+        if not call.needed:
+            # captured only: it never runs, only its input slots matter
+            self._write_own_inputs(w, call, name)
+            return CacheKey(name, w.getvalue())
+        if plan.kind is Kind.TRACED:
+            self._write_traced(w, call, schema)
+        elif plan.kind is Kind.CUSTOM:
+            self._write_custom(w, node, plan.record)
+            self.releases.append(call)
+        else:
+            self.releases.append(call)
+        self._write_edges(w, call)
+        return CacheKey(name, w.getvalue())
+
+    def _plan(self, call: NodeCall, schema: NodeSchema, is_sink: bool) -> NodePlan:
+        node = call.node
+        kind = schema.kind
+        if is_sink:
+            if node.variable.grad_fn is not None:
+                raise EagerError(RuntimeError("leaf variable has been moved into the graph interior"))
+            return NodePlan(Kind.ACCUMULATE, node=self.obj(node.variable))
+        if not call.needed:
+            return NodePlan(Kind.TRACED)  # never runs
+        if kind is NodeKind.CUSTOM_FUNCTION:
+            if getattr(node._forward_cls, "boxed_grads_call", False):
+                raise Unsupported("custom_function_boxed", f"{schema.name} uses boxed_grads_call")
+            record = custom_function.record_of(node)
+            if record is None:
+                raise Unsupported(
+                    "custom_function_unrecorded",
+                    f"{schema.name} was applied before cagrad was imported (no forward record)",
+                )
+            self.any_opaque = True
+            return NodePlan(Kind.CUSTOM, node=self.obj(node), record=record)
+        if kind is NodeKind.GENERATED and self._traceable(call, schema):
+            return NodePlan(Kind.TRACED)
+        # hidden state, a node type with no formula to trace, or saved tensors
+        # with foreign pack hooks: run the node itself at run time
+        self.any_opaque = True
+        return NodePlan(Kind.OPAQUE, node=self.obj(node))
+
+    def _traceable(self, call: NodeCall, schema: NodeSchema) -> bool:
+        if schema.split_sizes:
+            # hidden per-input sizes are determined when at most one input has
+            # no valid edge (see cagrad.node_schema, policy split_sizes)
+            if sum(1 for fn, _ in call.edges if fn is None) > 1:
+                return False
+        if self.census.claim_slots and saved_variables.may_have_foreign_hooks(call.node):
+            node = call.node
+            for attr in schema.tensors:
+                if not saved_variables.claim((node, attr, -1)):
+                    return False
+            for attr in schema.tensor_lists:
+                for i in range(len(getattr(node, "_raw_saved_" + attr))):
+                    if not saved_variables.claim((node, attr, i)):
+                        return False
+        return True
+
+    def _write_traced(self, w: KeyWriter, call: NodeCall, schema: NodeSchema) -> None:
+        node = call.node
+        name = schema.name
+        for attr in schema.values:
+            w.value(getattr(node, "_saved_" + attr))
+        for attr in schema.tensors:
+            self._lift(w, saved_variables.read(node, attr), (node, attr, -1), f"{name}.{attr}")
+        for attr in schema.tensor_lists:
+            values = saved_variables.read(node, attr)
+            w.size(len(values))
+            for i, value in enumerate(values):
+                self._lift(w, value, (node, attr, i), f"{name}.{attr}[{i}]")
+
+    def _lift(self, w: KeyWriter, value: Any, slot: Slot, what: str) -> None:
+        if value is None:
             w.tag(b"N")
-            continue
-        target = call_of[fn]
-        w.size(target.id)
-        w.size(input_nr)
-        write_input_metadata(w, target.input_metadata[input_nr], f"edge {i} of {call.name}")
+            return
+        write_tensor(w, value, what)
+        self.args.add(value, slot)
 
+    def _write_custom(self, w: KeyWriter, node: Any, record: Any) -> None:
+        cls = node._forward_cls
+        w.text(f"{cls.__module__}.{cls.__qualname__}")
+        w.value(record.is_variable_input)
 
-def _write_own_inputs(w: KeyWriter, call: NodeCall, name: str) -> None:
-    metadata = call.input_metadata
-    w.size(len(metadata))
-    for i, md in enumerate(metadata):
-        write_input_metadata(w, md, f"input {i} of {name}")
+    def _hooks(self, w: KeyWriter, found: FoundHooks) -> NodeHooks:
+        w.tag(b"h")
+        hooks = NodeHooks()
+        w.size(len(found.tensor_pre))
+        for input_nr, d in found.tensor_pre:
+            w.size(input_nr)
+            w.size(len(d))
+            hooks.tensor_pre.append((input_nr, self.obj(d)))
+        w.size(len(found.retain_grad))
+        for input_nr, ref in found.retain_grad:
+            w.size(input_nr)
+            hooks.retain_grad.append((input_nr, self.obj(ref)))
+        for d, field in ((found.pre, "pre"), (found.post, "post"), (found.post_accumulate, "post_accumulate")):
+            if d:
+                w.size(len(d))
+                setattr(hooks, field, self.obj(d))
+            else:
+                w.size(0)
+        return hooks
 
+    def _write_edges(self, w: KeyWriter, call: NodeCall) -> None:
+        task = self.task
+        edges = task.next_edges(call)
+        call_of = task.call_of
+        w.size(len(edges))
+        for i, (fn, input_nr) in enumerate(edges):
+            if fn is None:
+                w.tag(b"N")
+                continue
+            target = call_of[fn]
+            w.size(target.id)
+            w.size(input_nr)
+            write_input_metadata(w, target.input_metadata[input_nr], f"edge {i} of {call.name}")
 
-def _check_split_sizes(edges: Any, name: str) -> None:
-    # the hidden per-input sizes are determined by the edges when at most one
-    # input has no valid edge (see cagrad.node_schema, policy split_sizes)
-    missing = sum(1 for fn, _ in edges if fn is None)
-    if missing > 1:
-        raise Unsupported(
-            f"hidden_state:{name}",
-            f"{name} has {missing} inputs without gradient edges, so its hidden "
-            "per-input sizes are not determined by the key",
-        )
+    def _write_own_inputs(self, w: KeyWriter, call: NodeCall, name: str) -> None:
+        metadata = call.input_metadata
+        w.size(len(metadata))
+        for i, md in enumerate(metadata):
+            write_input_metadata(w, md, f"input {i} of {name}")

@@ -17,6 +17,9 @@ _INT_KEYS = (
     "fallbacks",  # backward passes run by eager autograd instead
     "recompiles_shape",  # captures caused by sizes that differ from a cached graph
     "recompiles_new_node",  # captures caused by a node or attribute never seen there
+    "deopts",  # compiled backwards finished by the interpreter (a hook or opaque
+    # node returned None where the graph assumed a gradient)
+    "segment_compile_failures",  # graph segments run uncompiled after a backend error
 )
 
 
@@ -24,7 +27,8 @@ class Counters(Mapping[str, Any]):
     """A live, read-only view of cagrad's counters.
 
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
-    ``fallbacks``, ``recompiles_shape``, ``recompiles_new_node``, and
+    ``fallbacks``, ``recompiles_shape``, ``recompiles_new_node``, ``deopts``,
+    ``segment_compile_failures``, and
     ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
     :class:`cagrad.errors.Unsupported`) to the number of backward passes that
     fell back for it. ``cagrad.reset()`` sets them all to zero in place, so a

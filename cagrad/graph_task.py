@@ -140,8 +140,9 @@ class GraphTask:
                 raise EagerError(RuntimeError("One of the differentiated Tensors does not require grad"))
             if t.grad_fn is not None:
                 if accumulate_grad:
-                    # eager calls retain_grad() on it: a hook (next issue)
-                    raise Unsupported("backward_inputs_nonleaf", "backward(inputs=) with a non-leaf input")
+                    # eager's run_backward makes a non-leaf input retain its
+                    # grad, for good; the census then finds that hook
+                    t.retain_grad()
                 self.output_edges.append((t.grad_fn, t.output_nr))
             else:
                 self.output_edges.append((self._leaf_accumulators.get(id(t)), 0))

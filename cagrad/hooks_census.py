@@ -27,12 +27,13 @@ Not visible: hooks added from C++ (extensions calling ``add_hook``), and
 hooks registered before ``import cagrad`` on a graph that no live tensor
 reached at the import. Import cagrad before building graphs with hooks.
 
-This version compiles no hooks: a backward with any hook falls back to
-eager, counted as ``hooks``.
+The hooks found are passed to the compiled graph at run time, so a cache
+hit calls the hooks registered now; their kinds and counts are in the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from collections import OrderedDict
@@ -85,8 +86,8 @@ def _note_tensor_hooks(t: torch.Tensor, kind: str) -> None:
     entries = fn.metadata.setdefault(_TENSOR_HOOKS_KEY, [])
     if kind == "retain_grad":
         _retaining_tensors.add(t)
-        if ("retain_grad", t.output_nr, None) not in entries:
-            entries.append(("retain_grad", t.output_nr, None))
+        if not any(e[0] == "retain_grad" and e[1] == t.output_nr for e in entries):
+            entries.append(("retain_grad", t.output_nr, weakref.ref(t)))
         return
     hooks = t._backward_hooks
     if hooks is not None:
@@ -172,6 +173,24 @@ def node_hook_dicts(node: Any) -> tuple[OrderedDict, OrderedDict]:
     return pre, post
 
 
+@dataclasses.dataclass
+class FoundHooks:
+    """The hooks one node runs, as the live objects eager will call.
+
+    Attributes:
+        tensor_pre: ``(input_nr, hook dict)`` in the order eager calls them.
+        retain_grad: ``(input_nr, weakref to the tensor)``.
+        pre, post: the node's pre-/post-hook dicts (non-empty) or None.
+        post_accumulate: a leaf's post-accumulate-grad hook dict or None.
+    """
+
+    tensor_pre: list[tuple[int, OrderedDict]]
+    retain_grad: list[tuple[int, weakref.ref]]
+    pre: OrderedDict | None
+    post: OrderedDict | None
+    post_accumulate: OrderedDict | None
+
+
 class Census:
     """What one backward must look for; decided once per backward.
 
@@ -187,30 +206,31 @@ class Census:
     __slots__ = ("probe_nodes", "tensor_hooks", "claim_slots")
 
     def __init__(self) -> None:
-        self.claim_slots = saved_variables.must_claim()
+        self.claim_slots = saved_variables.any_foreign_hooks()
         self.probe_nodes = _node_hook_dicts.any_nonempty()
         self.tensor_hooks = bool(_retaining_tensors) or _tensor_hook_dicts.any_nonempty()
 
-    def check(self, node: Any, is_leaf_sink: bool) -> None:
-        """Raises Unsupported if ``node`` would run any hook.
-
-        Raises:
-            Unsupported: with reason ``hooks`` and the kind in the detail.
-        """
-        name = type(node).__name__
+    def hooks_of(self, node: Any, is_leaf_sink: bool) -> FoundHooks | None:
+        """The hooks ``node`` runs, or None if it runs none."""
+        tensor_pre: list[tuple[int, OrderedDict]] = []
+        retain: list[tuple[int, weakref.ref]] = []
+        pre = post = post_acc = None
         if is_leaf_sink:
             variable = node.variable
             if variable._backward_hooks:
-                raise Unsupported("hooks", "a leaf tensor has a tensor hook")
-            if getattr(variable, "_post_accumulate_grad_hooks", None):
-                raise Unsupported("hooks", "a leaf tensor has a post-accumulate-grad hook")
+                tensor_pre.append((0, variable._backward_hooks))
+            post_acc = getattr(variable, "_post_accumulate_grad_hooks", None) or None
         if self.probe_nodes:
             pre, post = node_hook_dicts(node)
-            if pre or post:
-                raise Unsupported("hooks", f"{name} has node {'pre-' if pre else 'post-'}hooks")
-        if self.tensor_hooks:
-            entries = node.metadata.get(_TENSOR_HOOKS_KEY)
-            if entries:
-                for kind, _, hooks in entries:
-                    if kind == "retain_grad" or hooks:
-                        raise Unsupported("hooks", f"a tensor made by {name} has a {kind}")
+            pre = pre or None
+            post = post or None
+        if self.tensor_hooks and not is_leaf_sink:
+            for kind, output_nr, obj in node.metadata.get(_TENSOR_HOOKS_KEY, ()):
+                if kind == "retain_grad":
+                    if obj() is not None:
+                        retain.append((output_nr, obj))
+                elif obj:
+                    tensor_pre.append((output_nr, obj))
+        if tensor_pre or retain or pre or post or post_acc:
+            return FoundHooks(tensor_pre, retain, pre, post, post_acc)
+        return None

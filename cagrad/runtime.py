@@ -1,16 +1,32 @@
-"""The runtime wrapper: runs a compiled backward and applies its results."""
+"""The runtime wrapper: runs a compiled backward and applies its results.
+
+Two shapes of compiled backward:
+
+* whole graph (no hook, no opaque node): one compiled callable; the leaf
+  gradients it returns are accumulated into ``.grad`` after it, the engine's
+  AccumulateGrad semantics included (see :mod:`cagrad.accumulate`);
+* segmented (:mod:`cagrad.segments`): compiled segments and opaque calls in
+  eager's order, ``.grad`` updated in order by the graph itself, and the
+  interpreter finishing the backward if a run-time check fails.
+
+Either way the saved tensors are released afterwards unless ``retain_graph``,
+and ``autograd.grad``'s results are returned.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from . import saved_variables
+from . import interpreter, saved_variables, segments
 from .accumulate import accumulate_grad
-from .cache import CompiledEntry
-from .compiled_node_args import TensorArgs
-from .graph_task import GraphTask
+from .counters import counters
+from .walk import Kind
+
+log = logging.getLogger("cagrad")
 
 UNUSED_MESSAGE = (
     "One of the differentiated Tensors appears to not have been used in the "
@@ -18,39 +34,22 @@ UNUSED_MESSAGE = (
 )
 
 
-def call_compiled(entry: CompiledEntry, args: TensorArgs) -> list[torch.Tensor]:
-    """Calls the compiled graph on this backward's lifted tensors.
+def graph_inputs(entry: Any, collected: Any) -> list[torch.Tensor]:
+    tensors = collected.collector.args.tensors
+    return [tensors[i] for i in entry.traced.input_indices]
 
-    Returns:
-        the graph's outputs (see :class:`cagrad.compiler.Traced`).
-    """
-    tensors = args.tensors
-    inputs = [tensors[i] for i in entry.traced.input_indices]
+
+def call_whole(entry: Any, collected: Any) -> list[torch.Tensor]:
+    """Calls a whole-graph compiled backward on this backward's tensors."""
     with torch.no_grad():
-        outs = entry.fn(inputs, [], [], [], [])
+        outs = entry.fn(graph_inputs(entry, collected), [], [], [], [])
     entry.calls += 1
     return list(outs)
 
 
-def apply_results(
-    entry: CompiledEntry,
-    task: GraphTask,
-    args: TensorArgs,
-    outs: Sequence[torch.Tensor],
-    keep_graph: bool,
-    allow_unreachable: bool,
-) -> tuple[torch.Tensor | None, ...] | None:
-    """Releases the graph, fills ``.grad``, returns ``autograd.grad``'s tuple.
-
-    Raises:
-        RuntimeError: eager's "appears to not have been used in the graph"
-            error, after the backward ran, as eager raises it.
-    """
+def finish_whole(entry: Any, collected: Any, outs: Sequence[torch.Tensor]) -> list:
+    """Accumulates the leaf gradients; returns the ``autograd.grad`` results."""
     traced = entry.traced
-    if not keep_graph:
-        for slot in args.slots:
-            if slot is not None:
-                saved_variables.release(slot)
     stealable = [not a for a in traced.aliases_input]
     seen: set[int] = set()
     for i, out in enumerate(outs):
@@ -61,12 +60,61 @@ def apply_results(
             if ptr in seen:
                 stealable[i] = False
             seen.add(ptr)
-    order = task.order
+    order = collected.task.order
     for pos, out_idx in traced.leaf_outputs:
         accumulate_grad(order[pos].node.variable, outs[out_idx], stealable[out_idx])
-    if task.accumulate_grad:
-        return None
-    result = tuple(None if i is None else outs[i] for i in traced.capture_outputs)
+    return [None if i is None else outs[i] for i in traced.capture_outputs]
+
+
+def run_segmented(entry: Any, collected: Any) -> list:
+    """Runs a segmented backward; returns the ``autograd.grad`` results."""
+    traced = entry.traced
+    objects = collected.collector.objects
+    resumed: list[list] = []
+
+    def on_speculation_failed(step: Any, result: Any, env: dict) -> list:
+        counters.bump("deopts")
+        entry.deopts += 1
+        point = step.resume
+        pattern = tuple(v is not None for v in result) if isinstance(result, list) else (result is not None,)
+        entry.last_deopt = ((point.pos, point.phase), pattern)
+        log.info(
+            "cagrad: %s returned None where the graph assumed a gradient; the "
+            "interpreter finishes this backward",
+            step.node.meta.get("autograd_node", step.node.name),
+        )
+        resumed.append(
+            interpreter.resume(
+                collected.task, collected.collector.plans, objects, step.resume, env, result, False
+            )
+        )
+        return []
+
+    with torch.no_grad():
+        outs = segments.run(entry.segmented, graph_inputs(entry, collected), objects, on_speculation_failed)
+    entry.calls += 1
+    if resumed:
+        return resumed[0]
+    return [None if i is None else outs[i] for i in traced.capture_outputs]
+
+
+def release(collected: Any) -> None:
+    """Frees the saved tensors of every node that ran, as eager does."""
+    for slot in collected.collector.args.slots:
+        if slot is not None:
+            saved_variables.release(slot)
+    plans = collected.collector.plans
+    position = {id(call): pos for pos, call in enumerate(collected.task.order)}
+    for call in collected.collector.releases:
+        kind = plans[position[id(call)]].kind
+        if kind is Kind.CUSTOM:
+            saved_variables.release_custom(call.node)
+        else:
+            schema = call.schema
+            saved_variables.release_node(call.node, schema.tensors, schema.tensor_lists)
+
+
+def check_unused(result: Sequence[Any], allow_unreachable: bool) -> None:
+    """Raises eager's error for an ``autograd.grad`` input with no gradient."""
     if not allow_unreachable and any(r is None for r in result):
         raise RuntimeError(UNUSED_MESSAGE)
-    return result

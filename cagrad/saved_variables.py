@@ -26,16 +26,20 @@ The node's ``metadata`` dict keeps only weak references to holders; the
 holders die with them.
 
 Pack hooks that are not cagrad's (``torch.autograd.graph.saved_tensors_hooks``,
-``torch.utils.checkpoint``) run their ``unpack`` on every read, so a backward
-over such slots must run in eager. Their ``SavedVariable``\\ s refuse a second
-``register_hooks``, which is how they are found: once any default hooks have
-been pushed, every slot is claimed with a holder while the backward is
-collected (:func:`claim`), and a refusal makes the backward fall back.
+``torch.utils.checkpoint``, ``save_on_cpu``) run their ``unpack`` on every
+read, so a node holding such slots runs as it is, its hooks with it. Their
+``SavedVariable``\\ s refuse a second ``register_hooks``, which is how they
+are found: the slots of nodes created while default hooks were pushed are
+claimed with a holder while the backward is collected (:func:`claim`), and a
+refusal marks the node.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -117,34 +121,80 @@ def _freed(_packed: Any) -> torch.Tensor:
 
 
 # -- foreign pack hooks ------------------------------------------------------
-_default_hooks_seen = False
+# Default pack hooks (saved_tensors_hooks, checkpoint, save_on_cpu) hook every
+# tensor saved while they are pushed. Nodes get increasing sequence numbers,
+# so the numbers current at push and pop bound the nodes that may carry them;
+# only those are claimed (claiming an ordinary slot would skip eager's version
+# check, which runs only for slots without hooks). Intervals are merged past
+# a bound, which only widens them: more nodes claimed, none missed.
+_MAX_INTERVALS = 256
+_intervals: list[list[float]] = []  # sorted, disjoint [start, end)
+_open: dict[int, list[int]] = {}  # per thread: starts of pushed contexts
 _original_push = torch._C._autograd._push_saved_tensors_default_hooks
+_original_pop = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def _sequence_nr() -> int:
+    return torch._C._autograd._get_sequence_nr()
+
+
+def _add_interval(start: float, end: float) -> None:
+    merged = [start, end]
+    kept = []
+    for iv in _intervals:
+        if iv[1] < merged[0] or iv[0] > merged[1]:
+            kept.append(iv)
+        else:
+            merged = [min(iv[0], merged[0]), max(iv[1], merged[1])]
+    kept.append(merged)
+    kept.sort()
+    while len(kept) > _MAX_INTERVALS:
+        a, b = kept.pop(0), kept.pop(0)
+        kept.insert(0, [a[0], max(a[1], b[1])])
+    _intervals[:] = kept
 
 
 def _push_default_hooks(*args: Any, **kwargs: Any) -> Any:
-    global _default_hooks_seen
-    _default_hooks_seen = True
+    _open.setdefault(threading.get_ident(), []).append(_sequence_nr())
     return _original_push(*args, **kwargs)
 
 
+def _pop_default_hooks(*args: Any, **kwargs: Any) -> Any:
+    out = _original_pop(*args, **kwargs)
+    starts = _open.get(threading.get_ident())
+    if starts:
+        _add_interval(starts.pop(), _sequence_nr())
+    return out
+
+
 def install(graphs_alive_at_import: bool) -> None:
-    """Watches for default pack hooks (``saved_tensors_hooks``).
+    """Watches default pack hooks being pushed and popped.
 
     Args:
         graphs_alive_at_import: graphs built before the import may hold
-            foreign hooks, so every slot is claimed from then on.
+            foreign hooks, so the nodes numbered before it are claimed.
     """
-    global _default_hooks_seen
     if torch._C._autograd._push_saved_tensors_default_hooks is not _push_default_hooks:
         torch._C._autograd._push_saved_tensors_default_hooks = _push_default_hooks
+        torch._C._autograd._pop_saved_tensors_default_hooks = _pop_default_hooks
         torch.autograd._push_saved_tensors_default_hooks = _push_default_hooks
-    if graphs_alive_at_import:
-        _default_hooks_seen = True
+        torch.autograd._pop_saved_tensors_default_hooks = _pop_default_hooks
+        if graphs_alive_at_import:
+            _add_interval(0, _sequence_nr())
 
 
-def must_claim() -> bool:
-    """Whether slots may carry foreign hooks, so each must be claimed."""
-    return _default_hooks_seen
+def any_foreign_hooks() -> bool:
+    """Whether default pack hooks were ever pushed (cheap, per backward)."""
+    return bool(_intervals) or any(_open.values())
+
+
+def may_have_foreign_hooks(node: Any) -> bool:
+    """Whether ``node`` was created while default pack hooks were pushed."""
+    seq = node._sequence_nr()
+    if any(starts and seq >= min(starts) for starts in _open.values()):
+        return True
+    i = bisect.bisect_right(_intervals, [seq, math.inf]) - 1
+    return i >= 0 and _intervals[i][0] <= seq < _intervals[i][1]
 
 
 # -- reading, claiming, releasing -------------------------------------------
@@ -178,37 +228,63 @@ def _key(slot: Slot) -> str:
     return attr if index < 0 else f"{attr}.{index}"
 
 
+def _own(slot: Slot) -> SavedTensorHolder | None:
+    ref = _refs(slot[0]).get(_key(slot))
+    return ref() if ref is not None else None
+
+
 def holder(slot: Slot) -> SavedTensorHolder:
     """The slot's holder, packing one into it on first use.
 
     Raises:
         Unsupported: the slot carries pack hooks that are not cagrad's.
+        EagerError: the slot was released.
     """
-    node = slot[0]
-    refs = _refs(node)
-    key = _key(slot)
-    ref = refs.get(key)
-    h = ref() if ref is not None else None
+    h = _own(slot)
     if h is not None:
         return h
+    node = slot[0]
+    key = _key(slot)
     h = SavedTensorHolder(f"{type(node).__name__}.{key}")
     try:
         _raw(slot).register_hooks(h.pack, h.unpack)
     except RuntimeError as e:
+        if "freed" in str(e):
+            raise EagerError(RuntimeError(FREED_MESSAGE)) from e
         raise Unsupported(
             "saved_tensors_hooks", f"{h.owner} has pack/unpack hooks that are not cagrad's ({e})"
         ) from e
-    refs[key] = weakref.ref(h)
+    _refs(node)[key] = weakref.ref(h)
     return h
 
 
-def claim(slot: Slot) -> None:
+def claim(slot: Slot) -> bool:
     """Packs a holder into the slot now, so foreign hooks show up here.
 
+    Returns:
+        False if the slot carries pack hooks that are not cagrad's (the node
+        must then run as it is, its hooks with it); True otherwise (the slot
+        is cagrad's now, or holds no tensor).
+
     Raises:
-        Unsupported: the slot carries pack hooks that are not cagrad's.
+        EagerError: the slot was released.
     """
-    holder(slot)
+    if _own(slot) is not None:
+        return True
+    node = slot[0]
+    key = _key(slot)
+    h = SavedTensorHolder(f"{type(node).__name__}.{key}")
+    try:
+        _raw(slot).register_hooks(h.pack, h.unpack)
+    except RuntimeError as e:
+        message = str(e)
+        if "None" in message:
+            return True  # an undefined optional tensor
+        if "freed" in message:
+            raise EagerError(RuntimeError(FREED_MESSAGE)) from e
+        return False
+    _refs(node)[key] = weakref.ref(h)
+    return True
 
 
 def release(slot: Slot) -> None:
@@ -217,11 +293,32 @@ def release(slot: Slot) -> None:
         _raw(slot).register_hooks(_drop, _freed)
         return
     except RuntimeError:
-        pass  # already hooked: a holder of ours (foreign hooks fell back)
-    ref = _refs(slot[0]).get(_key(slot))
-    h = ref() if ref is not None else None
+        pass  # hooked already (a holder of ours, or foreign hooks), undefined, or freed
+    h = _own(slot)
     if h is not None:
         h.release()
+
+
+def release_node(node: Any, tensors: Sequence[str], tensor_lists: Sequence[str]) -> None:
+    """Releases every saved tensor of a node that ran as it is.
+
+    Slots with pack hooks that are not cagrad's cannot be released from
+    Python; they are freed with the graph.
+    """
+    for attr in tensors:
+        release((node, attr, -1))
+    for attr in tensor_lists:
+        for i in range(len(getattr(node, "_raw_saved_" + attr))):
+            release((node, attr, i))
+
+
+def release_custom(node: Any) -> None:
+    """Releases a custom Function's ``save_for_backward`` tensors."""
+    for raw in node._raw_saved_tensors:
+        try:
+            raw.register_hooks(_drop, _freed)
+        except RuntimeError:
+            pass
 
 
 @contextlib.contextmanager

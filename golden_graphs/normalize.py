@@ -15,7 +15,8 @@ it is traced. One FX node is one line::
     return [%mm_1, %mm]
 
 * Names are assigned here, not taken from FX: ``inputs[i]`` reads are
-  ``%in<i>``, every other value is its op's name (``mm``, ``sum``) plus
+  ``%in<i>``, ``hooks[i]`` reads (runtime objects: hook dicts, opaque nodes,
+  leaves) are ``%obj<i>``, every other value is its op's name (``mm``, ``sum``) plus
   ``_<k>`` for the k-th repeat in graph order, so an inserted op renames
   only later ops of the same kind.
 * ``: f32[3, 4]`` is ``node.meta["val"]``: dtype and shape, with
@@ -101,6 +102,11 @@ def _tuple(items: Any) -> str:
     return f"({inner},)" if len(items) == 1 else f"({inner})"
 
 
+# how reads of each placeholder list are named: inputs[i] -> %in<i>, the
+# runtime objects hooks[i] (hook dicts, opaque nodes, leaves) -> %obj<i>
+_READ_PREFIX = {"inputs": "in", "hooks": "obj", "sizes": "size", "scalars": "scalar"}
+
+
 class _Printer:
     def __init__(self, graph: torch.fx.Graph) -> None:
         self.graph = graph
@@ -119,11 +125,13 @@ class _Printer:
             if node.op == "output":
                 yield f"return {self._arg(node.args[0])}"
                 continue
-            input_index = self._input_read(node)
-            if input_index is not None:
-                self.names[node] = f"in{input_index}"
-                self.taken.add(f"in{input_index}")
-                yield f"%in{input_index}{self._type(node)} = inputs[{input_index}]"
+            read = self._placeholder_read(node)
+            if read is not None:
+                placeholder, index = read
+                prefix = _READ_PREFIX.get(placeholder, placeholder)
+                self.names[node] = f"{prefix}{index}"
+                self.taken.add(f"{prefix}{index}")
+                yield f"%{prefix}{index}{self._type(node)} = {placeholder}[{index}]"
                 continue
             origin = node.meta.get("autograd_node") or ENGINE_GROUP
             if origin != group:
@@ -133,13 +141,13 @@ class _Printer:
             self.names[node] = name
             yield f"%{name}{self._type(node)} = {self._call(node)}"
 
-    def _input_read(self, node: torch.fx.Node) -> int | None:
-        """``i`` when ``node`` is ``operator.getitem(inputs, i)``."""
+    def _placeholder_read(self, node: torch.fx.Node) -> tuple[str, int] | None:
+        """``(placeholder, i)`` when ``node`` is ``operator.getitem(placeholder, i)``."""
         if node.op != "call_function" or node.target is not operator.getitem:
             return None
         src, index = node.args
         if isinstance(src, torch.fx.Node) and src.op == "placeholder" and isinstance(index, int):
-            return index
+            return str(src.target), index
         return None
 
     def _fresh(self, base: str) -> str:

@@ -236,3 +236,46 @@ def leaf_used_twice() -> Backward:
     x = torch.randn(2, 4)
     h = torch.relu(x @ w)
     return Backward((h @ w).sum())
+
+
+def _double_grad(g: torch.Tensor) -> torch.Tensor:
+    return g * 2
+
+
+@scenario
+def tensor_and_leaf_hooks() -> Backward:
+    """a tensor hook, a leaf hook and retain_grad: opaque calls in eager's order."""
+    x = leaf(3, 4)
+    h = x.exp()
+    h.register_hook(_double_grad)
+    h.retain_grad()
+    x.register_hook(_double_grad)
+    return Backward((h * h).sum())
+
+
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+@scenario
+def custom_function() -> Backward:
+    """a custom autograd.Function between traced nodes: called as PyNode would."""
+    x = leaf(2, 3)
+    return Backward(_Cube.apply(x.tanh()).sum())
+
+
+@scenario
+def inplace_on_view() -> Backward:
+    """mul_ on a slice of an intermediate: a CopySlices node run as it is."""
+    x, w = leaf(4, 3), leaf(3)
+    y = x * 1
+    y[1:].mul_(w)
+    return Backward((y * y).sum())

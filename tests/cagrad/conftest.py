@@ -32,3 +32,34 @@ def run_both(build, backend: str = "eager"):
     with cagrad.enable(backend):
         actual = build()
     return expected, actual
+
+
+def run_both_traced(build, backend: str = "eager"):
+    """Like :func:`run_both` for builders taking a trace list that hooks
+    append ``(label, tensor or None)`` to. Returns ((eager result, eager
+    trace), (cagrad result, cagrad trace))."""
+    out = []
+    for use_cagrad in (False, True):
+        torch.manual_seed(0)
+        trace: list = []
+        if use_cagrad:
+            with cagrad.enable(backend):
+                result = build(trace)
+        else:
+            result = build(trace)
+        out.append((result, trace))
+    return out[0], out[1]
+
+
+def same_trace(a: list, b: list) -> None:
+    """Hook traces are equal: same labels in the same order, same values."""
+    assert [label for label, _ in a] == [label for label, _ in b]
+    for (label, x), (_, y) in zip(a, b):
+        assert (x is None) == (y is None), label
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=0, atol=0, msg=lambda m: f"{label}: {m}")
+
+
+def compiled_without_fallback():
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert cagrad.counters["captures"] >= 1

@@ -56,7 +56,7 @@ def test_captured_graph_computes_eager_gradients():
     grads = torch.autograd._make_grads((loss,), (None,), is_grads_batched=False)
     collected = collect_backward((loss,), grads, (), accumulate_grad=True)
     traced = trace(collected)
-    inputs = [collected.args.tensors[i] for i in traced.input_indices]
+    inputs = [collected.collector.args.tensors[i] for i in traced.input_indices]
     with torch.no_grad():
         outs = traced.graph_module(inputs, [], [], [], [])
     loss.backward()

@@ -1,0 +1,85 @@
+"""The interpreter: the walk on real tensors, eager's engine redone in Python.
+
+It finishes a compiled backward whose run-time check failed (a hook or an
+opaque node returned None where the trace assumed a gradient): from the
+:class:`~cagrad.walk.ResumePoint` of that call, with the values the compiled
+part computed, it runs the remaining steps exactly as the engine would, each
+node by its own ``apply``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import runtime_ops
+from .graph_task import GraphTask, NodeCall
+from .validate import validate_outputs
+from .walk import BackwardWalk, NodePlan, Obj
+
+
+class Interpreter:
+    """An Executor that runs each step on real tensors.
+
+    Args:
+        objects: the backward's runtime objects (the graph's ``hooks``).
+    """
+
+    def __init__(self, objects: Sequence[Any]) -> None:
+        self.objects = objects
+
+    def validate(self, name: str, edges: Sequence[Any], grads: list, origin: str) -> list:
+        return validate_outputs(name, edges, grads)
+
+    def add(self, a: Any, b: Any, origin: str) -> Any:
+        return a + b
+
+    def apply_traced(self, pos: int, call: NodeCall, inputs: list) -> list:
+        with torch.no_grad():
+            out = call.node(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, Obj):
+            return self.objects[a.index]
+        if isinstance(a, (list, tuple)):
+            return [self._arg(x) for x in a]
+        return a
+
+    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any) -> Any:
+        return getattr(runtime_ops, op)(*(self._arg(a) for a in args))
+
+
+def resume(
+    task: GraphTask,
+    plans: Sequence[NodePlan],
+    objects: Sequence[Any],
+    point: Any,
+    env: dict[str, Any],
+    result: Any,
+    accumulate_at_end: bool,
+) -> list:
+    """Finishes a backward from ``point`` on real values.
+
+    Args:
+        point: the :class:`~cagrad.walk.ResumePoint` of the call that failed.
+        env: the values computed so far, by graph value name.
+        result: what that call really returned.
+
+    Returns:
+        the ``autograd.grad`` results (None where no gradient arrived).
+    """
+    walk = BackwardWalk(task, plans, Interpreter(objects), accumulate_at_end)
+    value = env.__getitem__
+    walk.buffers = {
+        k: [None if n is None else value(n) for n in names] for k, names in point.buffers.items()
+    }
+    walk.captured = [None if n is None else value(n) for n in point.captured]
+    if point.phase.name == "APPLY":
+        state = (result, [None if n is None else value(n) for n in point.inputs])
+    else:
+        state = result
+    walk.run(point.pos, point.phase, state)
+    return walk.captured

@@ -1,0 +1,290 @@
+"""Running a captured graph that contains opaque calls.
+
+A graph with hooks or opaque nodes is cut at each opaque call: the runs of
+tensor ops between them become *segments*, each its own GraphModule (same
+``(inputs, sizes, scalars, hooks, packed_inputs)`` signature) that
+``compiler_fn`` compiles; the opaque calls run in Python with the current
+backward's objects, in the graph's order, which is eager's.
+
+After an opaque call the result is checked against what the trace assumed
+(:mod:`cagrad.walk`): a gradient with other strides is copied into the
+assumed layout (values unchanged); a None where the trace assumed a gradient
+cannot be run by the compiled segments, so the interpreter finishes the
+backward from that call's :class:`~cagrad.walk.ResumePoint` with the values
+computed so far. The result is eager's either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from .compiler import OPAQUE_TARGETS, PLACEHOLDERS
+from .counters import counters
+from .walk import MUST_BE_NONE
+
+log = logging.getLogger("cagrad")
+
+
+@dataclasses.dataclass
+class Segment:
+    """A run of tensor ops, compiled on its own."""
+
+    graph_module: torch.fx.GraphModule
+    in_names: list[str]
+    out_names: list[str]
+    fn: Callable[..., Any] | None = None
+    calls: int = 0
+
+
+@dataclasses.dataclass
+class OpaqueStep:
+    """One call to :mod:`cagrad.runtime_ops` and the items read from its result."""
+
+    node: torch.fx.Node
+    args: Any  # the node's args, with value names where the graph has nodes
+    items: list[tuple[int, str]]
+    spec: Any
+    resume: Any
+
+
+class SpeculationFailed(Exception):
+    def __init__(self, step: OpaqueStep, result: Any) -> None:
+        super().__init__(step.node.name)
+        self.step = step
+        self.result = result
+
+
+@dataclasses.dataclass
+class SegmentedGraph:
+    """A captured graph cut into segments and opaque steps, in order."""
+
+    steps: list[Segment | OpaqueStep]
+    input_reads: dict[str, int]
+    object_reads: dict[str, int]
+    output: list[str | None]
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for s in self.steps if isinstance(s, Segment)]
+
+
+def _names(arg: Any) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        return [_names(a) for a in arg]
+    return arg
+
+
+def _used(arg: Any, out: set[str]) -> None:
+    if isinstance(arg, torch.fx.Node):
+        out.add(arg.name)
+    elif isinstance(arg, (list, tuple)):
+        for a in arg:
+            _used(a, out)
+
+
+def split(gm: torch.fx.GraphModule) -> SegmentedGraph:
+    """Cuts ``gm`` at its opaque calls (see module docstring)."""
+    graph = gm.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    inputs_ph, hooks_ph = placeholders["inputs"], placeholders["hooks"]
+    input_reads: dict[str, int] = {}
+    object_reads: dict[str, int] = {}
+    groups: list[list[torch.fx.Node] | OpaqueStep] = []
+    current: list[torch.fx.Node] = []
+    output_node = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            output_node = node
+            continue
+        if node.target is operator.getitem and node.args[0] is inputs_ph:
+            input_reads[node.name] = node.args[1]
+            continue
+        if node.target is operator.getitem and node.args[0] is hooks_ph:
+            object_reads[node.name] = node.args[1]
+            continue
+        if node.target in OPAQUE_TARGETS:
+            if current:
+                groups.append(current)
+                current = []
+            items = [
+                (u.args[1], u.name)
+                for u in node.users
+                if u.target is operator.getitem and u.args[0] is node
+            ]
+            groups.append(
+                OpaqueStep(
+                    node,
+                    _names(node.args),
+                    sorted(items),
+                    node.meta.get("cagrad_spec"),
+                    node.meta.get("cagrad_resume"),
+                )
+            )
+            continue
+        if node.target is operator.getitem and node.args[0].target in OPAQUE_TARGETS:
+            continue  # read by its opaque step
+        current.append(node)
+    if current:
+        groups.append(current)
+    assert output_node is not None  # noqa: S101 - every FX graph has one
+
+    # which values each later step needs: its inputs, and for opaque steps the
+    # values their resume points name
+    needed_after: list[set[str]] = []
+    later: set[str] = set()
+    _used(output_node.args[0], later)
+    for group in reversed(groups):
+        needed_after.append(set(later))
+        if isinstance(group, OpaqueStep):
+            _used(group.node.args, later)
+            r = group.resume
+            if r is not None:
+                for names in [*r.buffers.values(), r.captured, r.inputs]:
+                    later.update(n for n in names if n is not None)
+        else:
+            for node in group:
+                for a in node.all_input_nodes:
+                    later.add(a.name)
+    needed_after.reverse()
+
+    steps: list[Segment | OpaqueStep] = []
+    for group, needed in zip(groups, needed_after):
+        if isinstance(group, OpaqueStep):
+            steps.append(group)
+        else:
+            steps.append(_segment(gm, group, needed))
+    return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
+
+
+def _segment(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], needed: set[str]) -> Segment:
+    inside = {n.name for n in nodes}
+    in_names: list[str] = []
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a.name not in inside and a.name not in in_names:
+                in_names.append(a.name)
+    out_names = [n.name for n in nodes if n.name in needed]
+    graph = torch.fx.Graph()
+    ph = {name: graph.placeholder(name) for name in PLACEHOLDERS}
+    env: dict[str, torch.fx.Node] = {}
+    for i, name in enumerate(in_names):
+        env[name] = graph.call_function(operator.getitem, (ph["inputs"], i))
+    for node in nodes:
+        env[node.name] = graph.node_copy(node, lambda a: env[a.name])
+    graph.output([env[n] for n in out_names])
+    graph.lint()
+    return Segment(torch.fx.GraphModule(gm, graph, "CompiledAutogradSegment"), in_names, out_names)
+
+
+def compile_segments(sg: SegmentedGraph, compile_graph: Callable[[torch.fx.GraphModule], Any]) -> None:
+    for seg in sg.segments:
+        seg.fn = compile_graph(seg.graph_module)
+
+
+def _materialize(arg: Any, env: dict[str, Any]) -> Any:
+    if isinstance(arg, str):
+        return env[arg]
+    if isinstance(arg, list):
+        return [_materialize(a, env) for a in arg]
+    return arg
+
+
+def _conform(value: Any, spec: Any) -> Any:
+    """Checks ``value`` against the trace's assumption; copies odd strides.
+
+    Raises:
+        SpeculationFailed: (via the caller) when it returns False-y ``...``.
+    """
+    shape, dtype, device, stride = spec
+    if tuple(value.shape) != shape or value.dtype != dtype or value.device != device:
+        return None
+    if tuple(value.stride()) != stride:
+        out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        out.copy_(value)
+        return out
+    return value
+
+
+def _check(step: OpaqueStep, result: Any) -> Any:
+    spec = step.spec
+    if spec is None:
+        return result
+    if isinstance(spec, list):
+        out = list(result)
+        for i, s in enumerate(spec):
+            if s is None:
+                continue
+            v = out[i]
+            if s == MUST_BE_NONE:
+                if v is not None:
+                    raise SpeculationFailed(step, result)
+                continue
+            if v is None:
+                raise SpeculationFailed(step, result)
+            v = _conform(v, s)
+            if v is None:
+                raise SpeculationFailed(step, result)
+            out[i] = v
+        return out
+    if result is None:
+        raise SpeculationFailed(step, result)
+    v = _conform(result, spec)
+    if v is None:
+        raise SpeculationFailed(step, result)
+    return v
+
+
+def run(
+    sg: SegmentedGraph,
+    inputs: Sequence[torch.Tensor],
+    objects: Sequence[Any],
+    on_speculation_failed: Callable[[OpaqueStep, Any, dict[str, Any]], list],
+) -> list:
+    """Runs the steps; returns the graph's outputs.
+
+    ``on_speculation_failed(step, real_result, env)`` finishes the backward
+    when a check fails and returns the outputs in place of the graph's.
+    """
+    env: dict[str, Any] = {}
+    for name, i in sg.input_reads.items():
+        env[name] = inputs[i]
+    for name, i in sg.object_reads.items():
+        env[name] = objects[i]
+    for step in sg.steps:
+        if isinstance(step, Segment):
+            args = [env[n] for n in step.in_names]
+            try:
+                outs = step.fn(args, [], [], [], [])
+            except Exception:
+                if step.calls:
+                    raise
+                # the first call compiles; a backend failure runs the
+                # segment's own graph instead (the same aten ops, in order)
+                log.warning("cagrad: a graph segment failed to compile; running it uncompiled")
+                counters.bump("segment_compile_failures")
+                step.fn = step.graph_module
+                outs = step.fn(args, [], [], [], [])
+            step.calls += 1
+            env.update(zip(step.out_names, outs))
+            continue
+        args = _materialize(step.args, env)
+        result = step.node.target(*args)
+        try:
+            result = _check(step, result)
+        except SpeculationFailed as e:
+            return on_speculation_failed(step, e.result, env)
+        env[step.node.name] = result
+        for index, name in step.items:
+            env[name] = result[index]
+    return [None if n is None else env[n] for n in sg.output]
