@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import runtime, segments
+from . import events, runtime, segments
 from .backends import check_graph
 from .cache import CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
@@ -169,7 +169,8 @@ def run(
         if entry.segmented is None:
             first_run = entry.calls == 0
             try:
-                outs = runtime.call_whole(entry, collected)
+                with events.running():
+                    outs = runtime.call_whole(entry, collected)
             except Exception as e:
                 if not first_run:
                     raise
@@ -187,7 +188,8 @@ def run(
         result = runtime.finish_whole(entry, collected, outs)
     else:
         deopts = entry.deopts
-        result = runtime.run_segmented(entry, collected)
+        with events.running():
+            result = runtime.run_segmented(entry, collected)
         if entry.deopts != deopts:
             _respeculate(node, entry)
     if not call.keep_graph:
@@ -240,4 +242,11 @@ def _capture(
         node.entry = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
         raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
     node.entry = entry
+    events.emit_capture(
+        events.CaptureEvent(
+            traced.graph_module,
+            collected.node_keys,
+            len(entry.segmented.segments) if entry.segmented is not None else 1,
+        )
+    )
     return entry
