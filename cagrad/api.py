@@ -34,9 +34,16 @@ def enable(compiler_fn: CompilerFn = "inductor", dynamic: bool = True) -> Iterat
             ``torch.fx.GraphModule -> callable``. The callable gets graphs
             with the signature ``(inputs, sizes, scalars, hooks,
             packed_inputs)`` (lists) returning a list of gradients.
-        dynamic: reserved for symbolic sizes; in this version sizes are
-            static and part of the cache key whatever the value (a change of
-            any size is a new capture).
+        dynamic: with True (the default), sizes are symbols from the first
+            capture: a backward that differs from a cached one only in sizes
+            is a cache hit, and the backend compiles the graph for any size.
+            With False, sizes start static; the first time a backward differs
+            from a cached one only in sizes, the sizes that changed become
+            symbols and the graph is traced once more, after which any value
+            of them is a cache hit (torch's compiled autograd's
+            STATIC -> DYNAMIC ``SizeInput``). Either way, sizes a C++ node
+            keeps with no Python formula stay static (see
+            :mod:`cagrad.formulas`).
 
     Contexts nest; the innermost one's compiler is used, and each compiler
     keeps its own cache until :func:`reset`.
@@ -81,6 +88,7 @@ def capture(
     outputs: torch.Tensor | Sequence[torch.Tensor],
     grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    dynamic: bool = False,
 ) -> Capture:
     """Traces the backward of ``outputs`` without running it.
 
@@ -94,6 +102,8 @@ def capture(
         outputs: the roots; each must require grad.
         grad_outputs: gradients of the roots (implicit ones for scalars).
         inputs: tensors to differentiate with respect to, or None.
+        dynamic: trace every size that may be dynamic as a symbol (the graph
+            ``enable(dynamic=True)`` would compile); False: static sizes.
 
     Raises:
         cagrad.Unsupported: if the backward cannot be compiled (the reason
@@ -116,5 +126,7 @@ def capture(
         collected = collect_backward(outs, grads, ins, accumulate_grad=inputs is None)
     except EagerError as e:
         raise e.cause from None
-    traced = trace(collected)
+    sizes = collected.collector.sizes
+    slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
+    traced = trace(collected, None, slots)
     return Capture(traced.graph_module, collected.node_keys, collected.task_key)

@@ -44,14 +44,15 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
             )
 
 
-def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule], Callable[..., Any]]:
-    """Turns ``compiler_fn`` into a function that compiles a captured graph.
+def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], Callable[..., Any]]:
+    """Turns ``compiler_fn`` into ``compile(graph_module, symbolic) -> callable``.
 
     A string names a ``torch.compile`` backend (``"eager"``, ``"aot_eager"``,
     ``"inductor"``, or any registered one): the graph is passed to
-    ``torch.compile(gm, backend=name, dynamic=False)``. Sizes are static in
-    the graphs cagrad hands over (every size is in the cache key), so Dynamo
-    is told not to make them dynamic. A callable is used as it is.
+    ``torch.compile(gm, backend=name, dynamic=symbolic)``: a graph traced
+    with dynamic sizes is compiled for any value of them (no backend
+    recompile when they change), a static one for its sizes. A callable gets
+    the graph module alone.
 
     Raises:
         TypeError: if ``compiler_fn`` is neither.
@@ -68,12 +69,13 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule], Callabl
             )
         name = compiler_fn
 
-        def compile_with_backend(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-            return torch.compile(gm, backend=name, dynamic=False)
+        def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
+            return torch.compile(gm, backend=name, dynamic=symbolic)
 
         return compile_with_backend
     if callable(compiler_fn):
-        return compiler_fn
+        user_fn = compiler_fn
+        return lambda gm, symbolic: user_fn(gm)
     raise TypeError(
         "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
         f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"

@@ -38,6 +38,10 @@ class CompiledEntry:
     deopts: int = 0
     last_deopt: Any = None
 
+    @property
+    def check(self) -> Any:
+        return self.traced.check
+
 
 @dataclasses.dataclass
 class FallbackVerdict:
@@ -47,22 +51,44 @@ class FallbackVerdict:
     detail: str
 
 
-class CacheNode:
-    """One trie node; ``entry`` is set on the node that ends a sequence.
+MAX_VARIANTS = 8
 
-    ``profile`` and ``respeculations`` belong to the node that ends a
-    sequence too: the None patterns seen where a trace's assumption failed
-    (see :class:`cagrad.walk.BackwardWalk`), and how often it was recaptured
-    for them.
+
+class CacheNode:
+    """One trie node; the node that ends a key sequence holds what was compiled.
+
+    Attributes:
+        children: the next keys.
+        verdict: a :class:`FallbackVerdict`, or None.
+        variants: compiled graphs for this key sequence, each accepting the
+            size slot values its :class:`~cagrad.sizes.SizeCheck` matches
+            (one per set of static sizes and specializations).
+        dynamic_slots: the slots that have changed between backwards (with
+            ``dynamic=False``), traced as symbols from then on.
+        profile, respeculations: the None patterns seen where a trace's
+            assumption failed (see :class:`cagrad.walk.BackwardWalk`), and how
+            often it was recaptured for them.
+        captures: on the root: how many graphs were captured under it.
     """
 
-    __slots__ = ("children", "entry", "profile", "respeculations")
+    __slots__ = ("children", "verdict", "variants", "dynamic_slots", "profile", "respeculations", "captures")
 
     def __init__(self) -> None:
         self.children: dict[CacheKey, CacheNode] = {}
-        self.entry: CompiledEntry | FallbackVerdict | None = None
+        self.verdict: FallbackVerdict | None = None
+        self.variants: list[CompiledEntry] = []
+        self.dynamic_slots: frozenset[int] = frozenset()
         self.profile: dict[Any, tuple[bool, ...]] = {}
         self.respeculations = 0
+        self.captures = 0
+
+    def match(self, values: Sequence[int]) -> tuple[CompiledEntry, list[int]] | None:
+        """The first variant whose size check accepts ``values``, with its symbol values."""
+        for entry in self.variants:
+            sym_values = entry.check.match(values)
+            if sym_values is not None:
+                return entry, sym_values
+        return None
 
     def lookup(self, keys: Sequence[CacheKey]) -> CacheNode:
         """The node for ``keys``, creating the missing part of the path."""
@@ -85,5 +111,5 @@ class CacheNode:
         return len(keys), node
 
     def num_entries(self) -> int:
-        count = 1 if self.entry is not None else 0
+        count = len(self.variants) + (self.verdict is not None)
         return count + sum(c.num_entries() for c in self.children.values())

@@ -24,7 +24,7 @@ import torch
 
 from . import events, runtime, segments
 from .backends import check_graph
-from .cache import CacheNode, CompiledEntry, FallbackVerdict
+from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
 from .compiled_node_args import Collector, write_tensor
 from .compiler import AutogradCompilerInstance, Traced
@@ -92,8 +92,11 @@ def collect_backward(
     for i, g in enumerate(grad_tensors):
         if g is None:
             raise EagerError(RuntimeError(f"element {i} of gradients tuple is None"))
-        write_tensor(w, g, f"gradient {i} of the roots")
-        collector.args.add(g.detach() if g.requires_grad else g, None)
+        what = f"gradient {i} of the roots"
+        start = write_tensor(w, g, what, collector.sizes)
+        collector.args.add(g.detach() if g.requires_grad else g, None, start)
+    for i, (fn, input_nr) in enumerate(task.root_edges):
+        collector.write_metadata(w, task.call_of[fn], input_nr, f"root edge {i}")
     w.size(len(task.output_edges))
     for fn, input_nr in task.output_edges:
         call = task.call_of.get(fn) if fn is not None else None
@@ -106,16 +109,24 @@ def collect_backward(
     return CollectedBackward(task, collector, CacheKey("GraphTask", w.getvalue()), node_keys)
 
 
-def trace(collected: CollectedBackward, profile: dict | None = None) -> Traced:
-    """Captures ``collected`` into a GraphModule (no compile, no run)."""
+def trace(
+    collected: CollectedBackward,
+    profile: dict | None = None,
+    dynamic_slots: frozenset[int] = frozenset(),
+) -> Traced:
+    """Captures ``collected`` into a GraphModule (no compile, no run).
+
+    Args:
+        profile: None patterns seen at speculative calls before.
+        dynamic_slots: size slots to trace as symbols.
+    """
     collector = collected.collector
     return AutogradCompilerInstance(
         collected.task,
-        collector.plans,
-        collector.args,
-        len(collected.task.root_edges),
+        collector,
         accumulate_at_end=not collector.any_opaque,
         profile=profile,
+        dynamic_slots=dynamic_slots,
     ).capture()
 
 
@@ -147,8 +158,9 @@ def run(
     call: BackwardCall,
     cache: CacheNode,
     compiler_fn: Any,
-    compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
+    compile_graph: Callable[..., Callable[..., Any]],
     eager_engine: Any,
+    dynamic: bool,
 ) -> Any:
     """Runs one backward through cagrad, or through eager when it must."""
     counters.bump("backwards")
@@ -159,25 +171,30 @@ def run(
             call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad
         )
         node = cache.lookup(collected.keys)
-        entry = node.entry
-        if entry is None:
-            entry = _capture(collected, node, compiler_fn, compile_graph)
-        elif isinstance(entry, FallbackVerdict):
-            raise Unsupported(entry.reason, entry.detail)
+        if node.verdict is not None:
+            raise Unsupported(node.verdict.reason, node.verdict.detail)
+        sizes = collected.collector.sizes
+        found = node.match(sizes.values)
+        if found is None:
+            entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic)
+            sym_values = entry.check.match(sizes.values)
+            if sym_values is None:
+                raise Unsupported("dynamic_shapes", "a fresh capture does not accept its own sizes")
         else:
+            entry, sym_values = found
             counters.bump("cache_hits")
+        graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
         if entry.segmented is None:
             first_run = entry.calls == 0
             try:
                 with events.running():
-                    outs = runtime.call_whole(entry, collected)
+                    outs = runtime.call_whole(entry, collected, graph_sizes)
             except Exception as e:
                 if not first_run:
                     raise
                 # the first call is when torch.compile compiles: a backend failure
-                verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
-                node.entry = verdict
-                raise Unsupported(verdict.reason, verdict.detail) from e
+                node.verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
+                raise Unsupported(node.verdict.reason, node.verdict.detail) from e
     except Unsupported as u:
         counters.record_fallback(u.reason, u.detail)
         return call.run_eager(eager_engine)
@@ -189,7 +206,7 @@ def run(
     else:
         deopts = entry.deopts
         with events.running():
-            result = runtime.run_segmented(entry, collected)
+            result = runtime.run_segmented(entry, collected, graph_sizes, sym_values)
         if entry.deopts != deopts:
             _respeculate(node, entry)
     if not call.keep_graph:
@@ -208,40 +225,73 @@ def _respeculate(node: CacheNode, entry: CompiledEntry) -> None:
     site, pattern = entry.last_deopt
     node.profile[site] = pattern
     node.respeculations += 1
+    node.variants.remove(entry)  # the next backward with these keys traces again
     if node.respeculations > MAX_RESPECULATIONS:
-        node.entry = FallbackVerdict(
+        node.verdict = FallbackVerdict(
             "speculation_failed",
             "hooks or opaque nodes keep returning None gradients in new places",
         )
-    else:
-        node.entry = None  # the next backward with these keys traces again
+
+
+def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool) -> frozenset[int]:
+    """Which size slots to trace as symbols for a new variant.
+
+    ``dynamic=True``: every slot that may be dynamic. ``dynamic=False``:
+    the slots whose values differ from the first variant's (accumulated), so
+    only sizes that did change become symbols (torch's compiled autograd
+    marks ``SizeInput``\\ s DYNAMIC the same way).
+    """
+    ok = sizes.dynamic_ok
+    if dynamic:
+        return frozenset(i for i, d in enumerate(ok) if d)
+    if not node.variants:
+        return frozenset()
+    changed = node.variants[0].check.changed(sizes.values)
+    node.dynamic_slots = node.dynamic_slots | frozenset(i for i in changed if ok[i])
+    return node.dynamic_slots
 
 
 def _capture(
     collected: CollectedBackward,
+    root: CacheNode,
     node: CacheNode,
     compiler_fn: Any,
-    compile_graph: Callable[[torch.fx.GraphModule], Callable[..., Any]],
+    compile_graph: Callable[..., Callable[..., Any]],
+    dynamic: bool,
 ) -> CompiledEntry:
+    if len(node.variants) >= MAX_VARIANTS:
+        node.verdict = FallbackVerdict(
+            "too_many_size_variants", f"{MAX_VARIANTS} size variants of one graph were compiled"
+        )
+        raise Unsupported(node.verdict.reason, node.verdict.detail)
+    sizes = collected.collector.sizes
+    shape_change = bool(node.variants)
+    dynamic_slots = _dynamic_slots(node, sizes, dynamic)
     try:
-        traced = trace(collected, node.profile)
+        traced = trace(collected, node.profile, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)
     except Unsupported as u:
-        node.entry = FallbackVerdict(u.reason, u.detail)
+        node.verdict = FallbackVerdict(u.reason, u.detail)
         raise
     counters.bump("captures")
+    if shape_change:
+        counters.bump("recompiles_shape")
+    elif root.captures:
+        counters.bump("recompiles_new_node")
+    root.captures += 1
     log.debug("cagrad captured a backward of %d nodes", len(collected.node_keys))
+    symbolic = not traced.check.is_static
     try:
         if traced.has_opaque_calls:
-            sg = segments.split(traced.graph_module)
-            segments.compile_segments(sg, compile_graph)
+            sg = segments.split(traced.graph_module, traced.to_value)
+            segments.compile_segments(sg, lambda gm: compile_graph(gm, symbolic))
             entry = CompiledEntry(None, traced, segmented=sg)
         else:
-            entry = CompiledEntry(compile_graph(traced.graph_module), traced)
+            entry = CompiledEntry(compile_graph(traced.graph_module, symbolic), traced)
     except Exception as e:
-        node.entry = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
+        node.verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
         raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
-    node.entry = entry
+    node.variants.append(entry)
     events.emit_capture(
         events.CaptureEvent(
             traced.graph_module,

@@ -18,12 +18,16 @@ Per node the key holds, in order:
 3. for traced nodes, every visible non-tensor attribute (``_saved_<name>``),
    in name order, and for every saved tensor (and element of a saved tensor
    list): defined or not, and its metadata (requires_grad, dtype, device,
-   layout, sizes, strides, storage offset, conjugate/negative bits for
-   complex dtypes);
+   layout, number of dimensions, conjugate/negative bits for complex
+   dtypes);
 4. for every edge: invalid, or the target's discovery id, input number and
-   the target's input metadata there (shape, dtype, device). This also
-   covers the hidden fields of the ``edge`` policy (see
+   the target's input metadata there (dtype, device, number of dimensions).
+   This also covers the hidden fields of the ``edge`` policy (see
    :mod:`cagrad.node_schema`);
+
+Sizes (tensor shapes, strides, storage offsets, metadata shapes and the
+``SymInt`` fields of traced nodes) are not key bytes but size slots
+(:mod:`cagrad.sizes`), checked per compiled variant.
 5. the hooks: kinds, counts and the inputs they watch;
 6. for ``AccumulateGrad``: the leaf's metadata.
 """
@@ -37,15 +41,22 @@ import torch
 from . import custom_function, saved_variables
 from .cache_key import CacheKey, KeyWriter
 from .errors import EagerError, Unsupported
+from .formulas import FORMULAS
 from .graph_task import GraphTask, NodeCall
 from .hooks_census import Census, FoundHooks
 from .node_schema import NodeKind, NodeSchema
 from .saved_variables import Slot
+from .sizes import SizeInputs
 from .walk import Kind, NodeHooks, NodePlan
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.ACCUMULATE: b"a"}
+
+
+def _int64(v: int) -> int:
+    # some bindings hand int64 fields out as uint64 (see cagrad.cache_key)
+    return v - (1 << 64) if v >= (1 << 63) else v
 
 
 class TensorArgs:
@@ -57,20 +68,30 @@ class TensorArgs:
     ``retain_graph`` releases it.
     """
 
-    __slots__ = ("tensors", "slots")
+    __slots__ = ("tensors", "slots", "geometry")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.slots: list[Slot | None] = []
+        self.geometry: list[int] = []  # first size slot of each tensor's shape
 
-    def add(self, t: torch.Tensor, slot: Slot | None) -> int:
+    def add(self, t: torch.Tensor, slot: Slot | None, geometry: int) -> int:
         self.tensors.append(t)
         self.slots.append(slot)
+        self.geometry.append(geometry)
         return len(self.tensors) - 1
 
 
-def write_tensor(w: KeyWriter, t: torch.Tensor, what: str) -> None:
+def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs) -> int:
     """Tensor metadata that specializes a traced graph.
+
+    The key gets dtype, device, requires_grad, the number of dimensions and
+    conjugate/negative bits; sizes, strides and the storage offset become
+    size slots (see :mod:`cagrad.sizes`).
+
+    Returns:
+        the first size slot: ``ndim`` sizes, then ``ndim`` strides, then the
+        storage offset.
 
     Raises:
         Unsupported: sparse/mkldnn/nested layouts and tensor subclasses.
@@ -82,24 +103,29 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str) -> None:
     w.tag(b"t" if not t.requires_grad else b"r")
     w.dtype(t.dtype)
     w.device(t.device)
-    w.sizes(t.shape)
-    w.sizes(t.stride())
-    w.size(t.storage_offset())
+    shape = t.shape
+    w.size(len(shape))
+    start = sizes.add((*shape, *t.stride(), t.storage_offset()), True, what)
     if t.is_complex():
         w.value((t.is_conj(), t.is_neg()))
+    return start
 
 
-def write_input_metadata(w: KeyWriter, md: Any, what: str) -> None:
+def write_input_metadata(w: KeyWriter, md: Any, what: str, sizes: SizeInputs) -> int:
     """One ``_input_metadata`` entry: the shape, dtype, device a node expects.
+
+    The shape becomes size slots; returns the first.
 
     Raises:
         Unsupported: for nested tensors.
     """
     if md.is_nested_tensor:
         raise Unsupported("nested_tensor", f"{what} receives a nested tensor")
-    w.sizes(md.shape)
+    shape = md.shape
+    w.size(len(shape))
     w.dtype(md.dtype)
     w.device(md.device)
+    return sizes.add(shape, True, what)
 
 
 class Collector:
@@ -112,6 +138,11 @@ class Collector:
         releases: what to release after a backward without ``retain_graph``:
             saved-tensor slots of traced nodes are in ``args.slots``; these
             are the nodes run as they are.
+        sizes: the backward's size slots.
+        metadata_slots: ``(NodeCall.id, input_nr) -> first size slot`` of the
+            input metadata shapes written into the key.
+        attr_slots: ``(NodeCall.id, attr) -> the attribute's structure with
+            size slots in place of its ints``, for SymInt-typed attributes.
         any_opaque: some node has hooks or runs opaque, so leaves are
             accumulated in order inside the graph.
     """
@@ -124,6 +155,9 @@ class Collector:
         self.plans: list[NodePlan] = []
         self.releases: list[NodeCall] = []
         self.any_opaque = False
+        self.sizes = SizeInputs()
+        self.metadata_slots: dict[tuple[int, int], int] = {}
+        self.attr_slots: dict[tuple[int, str], Any] = {}
 
     def obj(self, o: Any) -> int:
         self.objects.append(o)
@@ -164,7 +198,7 @@ class Collector:
         self.plans.append(plan)
         if plan.kind is Kind.ACCUMULATE:
             variable = node.variable
-            write_tensor(w, variable, f"leaf of {name}")
+            write_tensor(w, variable, f"leaf of {name}", self.sizes)
             return CacheKey(name, w.getvalue())
         if not call.needed:
             # captured only: it never runs, only its input slots matter
@@ -210,7 +244,10 @@ class Collector:
     def _traceable(self, call: NodeCall, schema: NodeSchema) -> bool:
         if schema.split_sizes:
             # hidden per-input sizes are determined when at most one input has
-            # no valid edge (see cagrad.node_schema, policy split_sizes)
+            # no valid edge (see cagrad.node_schema, policy split_sizes), and
+            # traced with sizes that may change only through a formula
+            if schema.name not in FORMULAS:
+                return False
             if sum(1 for fn, _ in call.edges if fn is None) > 1:
                 return False
         if self.census.claim_slots and saved_variables.may_have_foreign_hooks(call.node):
@@ -229,6 +266,11 @@ class Collector:
         name = schema.name
         for attr in schema.values:
             w.value(getattr(node, "_saved_" + attr))
+        dynamic_ok = name in FORMULAS
+        for attr in schema.sym_values:
+            self.attr_slots[(call.id, attr)] = self._sym_attr(
+                w, getattr(node, "_saved_" + attr), dynamic_ok, f"{name}.{attr}"
+            )
         for attr in schema.tensors:
             self._lift(w, saved_variables.read(node, attr), (node, attr, -1), f"{name}.{attr}")
         for attr in schema.tensor_lists:
@@ -237,12 +279,25 @@ class Collector:
             for i, value in enumerate(values):
                 self._lift(w, value, (node, attr, i), f"{name}.{attr}[{i}]")
 
+    def _sym_attr(self, w: KeyWriter, value: Any, dynamic_ok: bool, what: str) -> Any:
+        """A SymInt-typed attribute: structure in the key, ints as size slots."""
+        if value is None:
+            w.tag(b"N")
+            return None
+        if isinstance(value, (tuple, list)):
+            w.tag(b"(")
+            w.size(len(value))
+            start = self.sizes.add([_int64(v) for v in value], dynamic_ok, what)
+            return tuple(range(start, start + len(value)))
+        w.tag(b"i")
+        return self.sizes.add((_int64(value),), dynamic_ok, what)
+
     def _lift(self, w: KeyWriter, value: Any, slot: Slot, what: str) -> None:
         if value is None:
             w.tag(b"N")
             return
-        write_tensor(w, value, what)
-        self.args.add(value, slot)
+        start = write_tensor(w, value, what, self.sizes)
+        self.args.add(value, slot, start)
 
     def _write_custom(self, w: KeyWriter, node: Any, record: Any) -> None:
         cls = node._forward_cls
@@ -281,10 +336,14 @@ class Collector:
             target = call_of[fn]
             w.size(target.id)
             w.size(input_nr)
-            write_input_metadata(w, target.input_metadata[input_nr], f"edge {i} of {call.name}")
+            self.write_metadata(w, target, input_nr, f"edge {i} of {call.name}")
+
+    def write_metadata(self, w: KeyWriter, target: NodeCall, input_nr: int, what: str) -> None:
+        """The input metadata of ``target`` at ``input_nr``, its shape as slots."""
+        start = write_input_metadata(w, target.input_metadata[input_nr], what, self.sizes)
+        self.metadata_slots.setdefault((target.id, input_nr), start)
 
     def _write_own_inputs(self, w: KeyWriter, call: NodeCall, name: str) -> None:
-        metadata = call.input_metadata
-        w.size(len(metadata))
-        for i, md in enumerate(metadata):
-            write_input_metadata(w, md, f"input {i} of {name}")
+        w.size(len(call.input_metadata))
+        for i in range(len(call.input_metadata)):
+            self.write_metadata(w, call, i, f"input {i} of {name}")

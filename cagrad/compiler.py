@@ -3,24 +3,28 @@
 The graph's signature is that of torch's compiled autograd graphs:
 ``forward(inputs, sizes, scalars, hooks, packed_inputs)``. ``inputs`` holds
 the lifted tensors (root gradients, then saved tensors in run order);
-``hooks`` holds the backward's runtime objects (hook dicts, opaque nodes,
-leaves, tensors retaining grad), which opaque calls take as arguments; the
-other lists are empty in this version. The graph returns a list: the leaf
-gradients (one per leaf that gets a defined gradient, in accumulation order)
-when accumulation happens after the graph, then one entry per defined
-``autograd.grad`` result.
+``sizes`` the values of the symbols that dynamic sizes were traced as (see
+:mod:`cagrad.sizes`); ``hooks`` the backward's runtime objects (hook dicts,
+opaque nodes, leaves, tensors retaining grad), which opaque calls take as
+arguments; ``scalars`` and ``packed_inputs`` are empty in this version. The
+graph returns a list: the leaf gradients (one per leaf that gets a defined
+gradient, in accumulation order) when accumulation happens after the graph,
+then one entry per defined ``autograd.grad`` result.
 
 How it traces: the lifted tensors become fake tensors (FakeTensorMode)
-bound to ``inputs[i]`` proxies; with the fake mode and a
-``ProxyTorchDispatchMode`` active and grad mode off, :class:`BackwardWalk`
-runs the engine's steps. A traced node is called on fake gradients while
-:class:`SwapSavedVariables` makes its saved tensors unpack to their fakes, so
-the aten ops of its C++ backward formula are recorded. Everything else the
+bound to ``inputs[i]`` proxies (with dynamic sizes: fakes whose sizes,
+strides and offsets are the SymInts of their size slots, the symbols bound
+to ``sizes[j]``); with the fake mode and a ``ProxyTorchDispatchMode`` active
+and grad mode off, :class:`BackwardWalk` runs the engine's steps. A traced
+node is called on fake gradients while :class:`SwapSavedVariables` makes its
+saved tensors unpack to their fakes, so the aten ops of its C++ backward
+formula are recorded (with dynamic sizes, nodes that keep sizes as ints run
+their Python formula, :mod:`cagrad.formulas`, instead). Everything else the
 engine does becomes a ``call_function`` to :mod:`cagrad.runtime_ops`, whose
 outputs are fresh fakes with the metadata the engine guarantees (see
 :mod:`cagrad.walk` for where that is an assumption). Tracing under fake
 tensors never reads a value, so the graph depends only on what
-:mod:`cagrad.compiled_node_args` put in the key.
+:mod:`cagrad.compiled_node_args` put in the key and the size check.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
@@ -40,16 +45,18 @@ from torch.fx.experimental.proxy_tensor import (
     fetch_object_proxy,
     track_tensor_tree,
 )
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import runtime_ops, saved_variables
+from . import formulas, runtime_ops, saved_variables
 from .accumulate import dense_strides
-from .compiled_node_args import TensorArgs
+from .compiled_node_args import Collector
 from .errors import Unsupported
 from .graph_task import GraphTask, NodeCall
 from .saved_variables import SwapSavedVariables
+from .sizes import SizeCheck, static_check, symbolic_check
 from .validate import validate_outputs
-from .walk import MUST_BE_NONE, BackwardWalk, NodePlan, Obj, ResumePoint
+from .walk import MUST_BE_NONE, BackwardWalk, Obj, ResumePoint
 
 PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_inputs")
 
@@ -68,8 +75,8 @@ OPAQUE_TARGETS = frozenset(
     )
 )
 
-# value shapes an opaque call is assumed to return: (shape, dtype, device, stride)
-Spec = tuple[tuple[int, ...], torch.dtype, torch.device, tuple[int, ...]]
+# what an opaque call is assumed to return: (shape, dtype, device, stride)
+Spec = tuple[tuple[Any, ...], torch.dtype, torch.device, tuple[Any, ...]]
 
 
 @dataclasses.dataclass
@@ -79,7 +86,7 @@ class Traced:
     Attributes:
         graph_module: the backward as one GraphModule (see module docstring).
         input_indices: for each graph input ``inputs[j]``, the index of the
-            lifted tensor in :class:`TensorArgs` it is (unused ones pruned).
+            lifted tensor it is (unused ones pruned).
         leaf_outputs: ``(position in GraphTask.order, graph output index)``
             of every leaf gradient accumulated after the graph.
         capture_outputs: per ``autograd.grad`` input, its graph output index
@@ -88,6 +95,12 @@ class Traced:
             graph input (then it must be copied before it becomes ``.grad``).
         accumulate_at_end: leaves are accumulated after the graph (no opaque
             call could observe ``.grad`` during it).
+        check: which size slot values this graph accepts.
+        size_inputs: per graph size input ``sizes[j]``, the function of the
+            check's symbol values that gives it.
+        to_value: turns a SymInt of the trace into a function of the check's
+            symbol values (ints pass through as constants); used to evaluate
+            opaque calls' assumed shapes at run time.
     """
 
     graph_module: torch.fx.GraphModule
@@ -96,6 +109,9 @@ class Traced:
     capture_outputs: list[int | None]
     aliases_input: list[bool]
     accumulate_at_end: bool
+    check: SizeCheck
+    size_inputs: list[Any]
+    to_value: Any
 
     @property
     def has_opaque_calls(self) -> bool:
@@ -105,13 +121,13 @@ class Traced:
         )
 
 
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
     """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
     strides = []
-    acc = 1
+    acc: Any = 1
     for s in reversed(shape):
         strides.append(acc)
-        acc *= max(s, 1)
+        acc = acc * torch.sym_max(s, 1)
     return tuple(reversed(strides))
 
 
@@ -123,12 +139,13 @@ def _spec_of(value: Any) -> Spec | None:
         # assumed to return: this layout if it is dense (a copy into it is
         # always possible), else the contiguous one
         shape, stride = tuple(value.shape), tuple(value.stride())
-        if not dense_strides(shape, stride):
+        if not (value.is_contiguous() or dense_strides(shape, stride)):
             stride = contiguous_strides(shape)
         return (shape, value.dtype, value.device, stride)
-    # an _InputMetadata entry: the engine's promise for a gradient on an edge
-    shape = tuple(value.shape)
-    return (shape, value.dtype, value.device, contiguous_strides(shape))
+    # (shape, dtype, device): the engine's promise for a gradient on an edge
+    shape, dtype, device = value
+    shape = tuple(shape)
+    return (shape, dtype, device, contiguous_strides(shape))
 
 
 class AutogradCompilerInstance:
@@ -136,32 +153,60 @@ class AutogradCompilerInstance:
 
     Args:
         task: the backward's structure and run order.
-        plans: one :class:`NodePlan` per entry of ``task.order``.
-        args: the lifted tensors, root gradients first.
-        num_roots: how many of ``args`` are root gradients.
+        collector: what was collected for it (plans, lifted tensors, size
+            slots and where they sit).
         accumulate_at_end: see :class:`Traced`.
+        profile: None patterns seen at speculative calls (see
+            :class:`~cagrad.walk.BackwardWalk`).
+        dynamic_slots: the size slots to trace as symbols.
     """
 
     def __init__(
         self,
         task: GraphTask,
-        plans: Sequence[NodePlan],
-        args: TensorArgs,
-        num_roots: int,
+        collector: Collector,
         accumulate_at_end: bool,
         profile: dict | None = None,
+        dynamic_slots: frozenset[int] = frozenset(),
     ) -> None:
         self.task = task
-        self.profile = profile
-        self.plans = plans
-        self.args = args
-        self.num_roots = num_roots
+        self.collector = collector
+        self.plans = collector.plans
+        self.args = collector.args
+        self.num_roots = len(task.root_edges)
         self.accumulate_at_end = accumulate_at_end
+        self.profile = profile
         self.tracer = PythonKeyTracer()
         self.tracer.root = torch.nn.Module()
         self.tracer.graph = torch.fx.Graph(tracer_cls=PythonKeyTracer)
         self.tracer.tensor_attrs = {}
-        self.fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False)
+        values = collector.sizes.values
+        self.slot_values: list[Any] = list(values)
+        self.graph_symbols: list[Any] = []  # sympy symbols, in sizes[j] order
+        self.graph_symints: list[torch.SymInt] = []
+        self.symbolic = bool(dynamic_slots)
+        if self.symbolic:
+            self.shape_env = ShapeEnv()
+            self.fake_mode = FakeTensorMode(
+                allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=self.shape_env
+            )
+            by_symbol: dict[Any, torch.SymInt] = {}
+            for k in sorted(dynamic_slots):
+                v = values[k]
+                source = ConstantSource(f"size{k}")
+                sym = self.shape_env.create_symbol(v, source, dynamic_dim=DimDynamic.DYNAMIC)
+                if sym.is_number:
+                    continue  # 0 and 1 are specialized: the slot stays static
+                symint = by_symbol.get(sym)
+                if symint is None:
+                    symint = self.shape_env.create_symintnode(sym, hint=v, source=source)
+                    by_symbol[sym] = symint
+                    self.graph_symbols.append(sym)
+                    self.graph_symints.append(symint)
+                self.slot_values[k] = symint
+        else:
+            self.shape_env = None
+            self.fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False)
         self.proxy_mode = ProxyTorchDispatchMode(self.tracer, "symbolic")
         self.hooks_proxy: torch.fx.Proxy | None = None
 
@@ -187,10 +232,40 @@ class AutogradCompilerInstance:
         with disable_proxy_modes_tracing():
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
+    def _lifted_fake(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        if not self.symbolic:
+            return self.fake_mode.from_tensor(t)
+        start = self.args.geometry[i]
+        ndim = t.dim()
+        v = self.slot_values
+        shape = v[start : start + ndim]
+        stride = v[start + ndim : start + 2 * ndim]
+        offset = v[start + 2 * ndim]
+        with self.fake_mode:
+            if isinstance(offset, int) and offset == 0:
+                fake = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+            else:
+                extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+                base = torch.empty((extent,), dtype=t.dtype, device=t.device)
+                fake = base.as_strided(shape, stride, offset)
+            if t.requires_grad:
+                fake.requires_grad_(True)
+        return fake
+
     # -- Executor -------------------------------------------------------------
+    def metadata(self, fn: Any, input_nr: int) -> tuple:
+        target = self.task.call_of[fn]
+        md = target.input_metadata[input_nr]
+        shape = md.shape
+        if self.symbolic:
+            start = self.collector.metadata_slots.get((target.id, input_nr))
+            if start is not None:
+                shape = self.slot_values[start : start + len(shape)]
+        return shape, md.dtype, md.device
+
     def validate(self, name: str, edges: Sequence[Any], grads: list, origin: str) -> list:
         marker = self._last_node()
-        out = validate_outputs(name, edges, grads)
+        out = validate_outputs(name, edges, grads, self.metadata)
         self._tag_since(marker, origin)
         return out
 
@@ -200,11 +275,30 @@ class AutogradCompilerInstance:
         self._tag_since(marker, origin)
         return out
 
+    def _sym_attr(self, call: NodeCall, attr: str) -> Any:
+        slots = self.collector.attr_slots[(call.id, attr)]
+        if slots is None:
+            return None
+        if isinstance(slots, tuple):
+            return [self.slot_values[k] for k in slots]
+        return self.slot_values[slots]
+
     def apply_traced(self, pos: int, call: NodeCall, inputs: list) -> list:
         name = call.name
         marker = self._last_node()
         try:
-            out = call.node(*inputs)
+            if self.symbolic and name in formulas.FORMULAS:
+                out = formulas.apply(
+                    name,
+                    call.node,
+                    inputs,
+                    lambda attr: self._sym_attr(call, attr),
+                    lambda i: self.metadata(*call.edges[i]),
+                )
+            else:
+                out = call.node(*inputs)
+        except Unsupported:
+            raise
         except Exception as e:
             raise Unsupported(f"trace_failed:{name}", f"{type(e).__name__}: {e}") from e
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -264,9 +358,9 @@ class AutogradCompilerInstance:
 
         Raises:
             Unsupported: any failure to trace (an op without a fake kernel, a
-                value read, a tensor that was not lifted), with the node named;
-                eager then runs the backward and raises eager's own error if
-                there is one.
+                value read, a tensor that was not lifted, a size the check
+                cannot express), with the node named; eager then runs the
+                backward and raises eager's own error if there is one.
         """
         tracer = self.tracer
         placeholders = {
@@ -274,9 +368,17 @@ class AutogradCompilerInstance:
         }
         inputs_proxy = placeholders["inputs"]
         self.hooks_proxy = placeholders["hooks"]
+        if self.graph_symints:
+            sizes_proxy = placeholders["sizes"]
+            track_tensor_tree(
+                self.graph_symints,
+                [sizes_proxy[j] for j in range(len(self.graph_symints))],
+                constant=None,
+                tracer=tracer,
+            )
         real = self.args.tensors
         with self.fake_mode:
-            fakes = [self.fake_mode.from_tensor(t) for t in real]
+            fakes = [self._lifted_fake(i, t) for i, t in enumerate(real)]
         track_tensor_tree(
             fakes, [inputs_proxy[i] for i in range(len(fakes))], constant=None, tracer=tracer
         )
@@ -310,7 +412,8 @@ class AutogradCompilerInstance:
         tracer.create_node(
             "output", "output", (tracer.create_arg([self._proxy(o) for o in outputs]),), {}
         )
-        graph_module, used_inputs = self._finish()
+        graph_module, used_inputs, used_sizes = self._finish()
+        check, size_inputs, to_value = self._size_check(used_sizes)
         return Traced(
             graph_module,
             used_inputs,
@@ -318,9 +421,33 @@ class AutogradCompilerInstance:
             capture_outputs,
             _aliases_input(outputs, fakes),
             self.accumulate_at_end,
+            check,
+            size_inputs,
+            to_value,
         )
 
-    def _finish(self) -> tuple[torch.fx.GraphModule, list[int]]:
+    def _size_check(self, used_sizes: list[int]) -> tuple[SizeCheck, list[Any], Any]:
+        values = self.collector.sizes.values
+        if not self.symbolic:
+            return static_check(values), [], lambda v: (lambda *_sym: v)
+        env = self.shape_env
+        if env.unbacked_var_to_val if hasattr(env, "unbacked_var_to_val") else False:
+            raise Unsupported("dynamic_shapes", "the backward has data-dependent sizes")
+        exprs = [v.node.expr if isinstance(v, torch.SymInt) else v for v in self.slot_values]
+        try:
+            check = symbolic_check(values, exprs, env)
+            size_inputs = [check.function(self.graph_symbols[j]) for j in used_sizes]
+        except ValueError as e:
+            raise Unsupported("dynamic_shapes", str(e)) from e
+
+        def to_value(x: Any) -> Any:
+            if isinstance(x, torch.SymInt):
+                return check.function(x.node.expr)
+            return lambda *_sym, x=x: x
+
+        return check, size_inputs, to_value
+
+    def _finish(self) -> tuple[torch.fx.GraphModule, list[int], list[int]]:
         graph = self.tracer.graph
         for node in graph.nodes:
             if node.op == "get_attr":
@@ -331,22 +458,27 @@ class AutogradCompilerInstance:
         graph.eliminate_dead_code(
             is_impure_node=lambda n: n.is_impure() or n.target in OPAQUE_TARGETS
         )
-        used_inputs = _prune_inputs(graph)
+        used_inputs = _prune(graph, "inputs")
+        used_sizes = _prune(graph, "sizes")
         graph.lint()
-        return torch.fx.GraphModule(self.tracer.root, graph, "CompiledAutograd"), used_inputs
+        return (
+            torch.fx.GraphModule(self.tracer.root, graph, "CompiledAutograd"),
+            used_inputs,
+            used_sizes,
+        )
 
 
-def _prune_inputs(graph: torch.fx.Graph) -> list[int]:
-    """Renumbers ``inputs[i]`` reads so the list holds only used tensors."""
-    inputs = next(n for n in graph.nodes if n.op == "placeholder" and n.target == "inputs")
+def _prune(graph: torch.fx.Graph, placeholder: str) -> list[int]:
+    """Renumbers ``<placeholder>[i]`` reads so the list holds only used items."""
+    ph = next(n for n in graph.nodes if n.op == "placeholder" and n.target == placeholder)
     reads = sorted(
-        (u for u in inputs.users if u.op == "call_function" and u.args[0] is inputs),
+        (u for u in ph.users if u.op == "call_function" and u.args[0] is ph),
         key=lambda u: u.args[1],
     )
     used = []
     for new_index, user in enumerate(reads):
         used.append(user.args[1])
-        user.args = (inputs, new_index)
+        user.args = (ph, new_index)
     return used
 
 

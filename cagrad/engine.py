@@ -95,7 +95,7 @@ class CagradEngine:
             gc.disable()
             try:
                 return compiled_backward.run(
-                    call, state.cache, state.compiler_fn, state.compile_graph, self._eager
+                    call, state.cache, state.compiler_fn, state.compile_graph, self._eager, state.dynamic
                 )
             finally:
                 _tls.busy = False

@@ -16,7 +16,7 @@ import torch
 
 from . import runtime_ops
 from .graph_task import GraphTask, NodeCall
-from .validate import validate_outputs
+from .validate import real_metadata, validate_outputs
 from .walk import BackwardWalk, NodePlan, Obj
 
 
@@ -29,6 +29,9 @@ class Interpreter:
 
     def __init__(self, objects: Sequence[Any]) -> None:
         self.objects = objects
+
+    def metadata(self, fn: Any, input_nr: int) -> tuple:
+        return real_metadata(fn, input_nr)
 
     def validate(self, name: str, edges: Sequence[Any], grads: list, origin: str) -> list:
         return validate_outputs(name, edges, grads)

@@ -56,6 +56,12 @@ _EDGE_TYPES = (
     "at::Layout",
 )
 _EDGE_SUFFIXES = ("_info", "_scalar_type", "_options", "_layout")
+_SYM_TYPES = (
+    "c10::SymInt",
+    "std::vector<c10::SymInt>",
+    "::std::optional<c10::SymInt>",
+    "c10::OptionalArray<c10::SymInt>",
+)
 
 
 class NodeKind(enum.Enum):
@@ -75,6 +81,8 @@ class NodeSchema:
         tensors: suffixes ``x`` of saved tensors (``_saved_x``/``_raw_saved_x``).
         tensor_lists: suffixes of saved tensor lists.
         values: suffixes of visible non-tensor attributes, in key order.
+        sym_values: suffixes of visible ``SymInt``-typed attributes (sizes a
+            node keeps): size slots rather than key bytes.
         split_sizes: True for nodes whose hidden per-input sizes must be
             shown to be determined by the edges (``split_sizes`` policy).
         unsupported: ``(reason, detail)`` when the node cannot be compiled.
@@ -85,6 +93,7 @@ class NodeSchema:
     tensors: tuple[str, ...] = ()
     tensor_lists: tuple[str, ...] = ()
     values: tuple[str, ...] = ()
+    sym_values: tuple[str, ...] = ()
     split_sizes: bool = False
     unsupported: tuple[str, str] | None = None
 
@@ -141,7 +150,7 @@ def _hidden_policy(struct: str, ctype: str, field: str) -> str | None:
 def _generated_schema(cls: type, fields: list[tuple[str, str]]) -> NodeSchema:
     name = cls.__name__
     props = set(dir(cls))
-    tensors, tensor_lists, values = [], [], []
+    tensors, tensor_lists, values, sym_values = [], [], [], []
     split_sizes = False
     for ctype, field in fields:
         if field.endswith("_released_") or (ctype == "size_t" and field.endswith("_size_")):
@@ -152,7 +161,7 @@ def _generated_schema(cls: type, fields: list[tuple[str, str]]) -> NodeSchema:
         elif ctype == "std::vector<SavedVariable>":
             tensor_lists.append(attr)
         elif "_saved_" + attr in props:
-            values.append(attr)
+            (sym_values if ctype in _SYM_TYPES else values).append(attr)
         else:
             policy = _hidden_policy(name, ctype, field)
             if policy is None:
@@ -182,6 +191,7 @@ def _generated_schema(cls: type, fields: list[tuple[str, str]]) -> NodeSchema:
         tensors=tuple(sorted(tensors)),
         tensor_lists=tuple(sorted(tensor_lists)),
         values=tuple(sorted(values)),
+        sym_values=tuple(sorted(sym_values)),
         split_sizes=split_sizes,
     )
 

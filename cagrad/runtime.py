@@ -39,10 +39,10 @@ def graph_inputs(entry: Any, collected: Any) -> list[torch.Tensor]:
     return [tensors[i] for i in entry.traced.input_indices]
 
 
-def call_whole(entry: Any, collected: Any) -> list[torch.Tensor]:
-    """Calls a whole-graph compiled backward on this backward's tensors."""
+def call_whole(entry: Any, collected: Any, sizes: list[int]) -> list[torch.Tensor]:
+    """Calls a whole-graph compiled backward on this backward's tensors and sizes."""
     with torch.no_grad():
-        outs = entry.fn(graph_inputs(entry, collected), [], [], [], [])
+        outs = entry.fn(graph_inputs(entry, collected), sizes, [], [], [])
     entry.calls += 1
     return list(outs)
 
@@ -66,7 +66,7 @@ def finish_whole(entry: Any, collected: Any, outs: Sequence[torch.Tensor]) -> li
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 
 
-def run_segmented(entry: Any, collected: Any) -> list:
+def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list[int]) -> list:
     """Runs a segmented backward; returns the ``autograd.grad`` results."""
     traced = entry.traced
     objects = collected.collector.objects
@@ -91,7 +91,14 @@ def run_segmented(entry: Any, collected: Any) -> list:
         return []
 
     with torch.no_grad():
-        outs = segments.run(entry.segmented, graph_inputs(entry, collected), objects, on_speculation_failed)
+        outs = segments.run(
+            entry.segmented,
+            graph_inputs(entry, collected),
+            sizes,
+            sym_values,
+            objects,
+            on_speculation_failed,
+        )
     entry.calls += 1
     if resumed:
         return resumed[0]

@@ -91,13 +91,18 @@ def _used(arg: Any, out: set[str]) -> None:
             _used(a, out)
 
 
-def split(gm: torch.fx.GraphModule) -> SegmentedGraph:
-    """Cuts ``gm`` at its opaque calls (see module docstring)."""
+def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]]) -> SegmentedGraph:
+    """Cuts ``gm`` at its opaque calls (see module docstring).
+
+    ``to_value`` turns the trace's SymInts in the opaque calls' assumed
+    shapes into functions of the symbol values, evaluated at run time.
+    """
     graph = gm.graph
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    inputs_ph, hooks_ph = placeholders["inputs"], placeholders["hooks"]
+    inputs_ph, hooks_ph, sizes_ph = placeholders["inputs"], placeholders["hooks"], placeholders["sizes"]
     input_reads: dict[str, int] = {}
     object_reads: dict[str, int] = {}
+    size_reads: dict[str, int] = {}
     groups: list[list[torch.fx.Node] | OpaqueStep] = []
     current: list[torch.fx.Node] = []
     output_node = None
@@ -113,6 +118,9 @@ def split(gm: torch.fx.GraphModule) -> SegmentedGraph:
         if node.target is operator.getitem and node.args[0] is hooks_ph:
             object_reads[node.name] = node.args[1]
             continue
+        if node.target is operator.getitem and node.args[0] is sizes_ph:
+            size_reads[node.name] = node.args[1]
+            continue
         if node.target in OPAQUE_TARGETS:
             if current:
                 groups.append(current)
@@ -127,7 +135,7 @@ def split(gm: torch.fx.GraphModule) -> SegmentedGraph:
                     node,
                     _names(node.args),
                     sorted(items),
-                    node.meta.get("cagrad_spec"),
+                    _spec_functions(node.meta.get("cagrad_spec"), to_value),
                     node.meta.get("cagrad_resume"),
                 )
             )
@@ -163,21 +171,33 @@ def split(gm: torch.fx.GraphModule) -> SegmentedGraph:
         if isinstance(group, OpaqueStep):
             steps.append(group)
         else:
-            steps.append(_segment(gm, group, needed))
+            steps.append(_segment(gm, group, needed, size_reads))
     return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
 
 
-def _segment(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], needed: set[str]) -> Segment:
+def _segment(
+    gm: torch.fx.GraphModule,
+    nodes: list[torch.fx.Node],
+    needed: set[str],
+    size_reads: dict[str, int],
+) -> Segment:
     inside = {n.name for n in nodes}
     in_names: list[str] = []
+    sizes_used: list[str] = []
     for node in nodes:
         for a in node.all_input_nodes:
-            if a.name not in inside and a.name not in in_names:
+            if a.name in size_reads:
+                if a.name not in sizes_used:
+                    sizes_used.append(a.name)
+            elif a.name not in inside and a.name not in in_names:
                 in_names.append(a.name)
     out_names = [n.name for n in nodes if n.name in needed]
     graph = torch.fx.Graph()
     ph = {name: graph.placeholder(name) for name in PLACEHOLDERS}
     env: dict[str, torch.fx.Node] = {}
+    for name in sizes_used:
+        # every segment gets the whole sizes list and reads what it uses
+        env[name] = graph.call_function(operator.getitem, (ph["sizes"], size_reads[name]))
     for i, name in enumerate(in_names):
         env[name] = graph.call_function(operator.getitem, (ph["inputs"], i))
     for node in nodes:
@@ -190,6 +210,31 @@ def _segment(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], needed: set[s
 def compile_segments(sg: SegmentedGraph, compile_graph: Callable[[torch.fx.GraphModule], Any]) -> None:
     for seg in sg.segments:
         seg.fn = compile_graph(seg.graph_module)
+
+
+def _spec_functions(spec: Any, to_value: Callable[[Any], Callable[..., int]]) -> Any:
+    """The assumed result with every size as a function of the symbol values."""
+    if spec is None or spec == MUST_BE_NONE:
+        return spec
+    if isinstance(spec, list):
+        return [_spec_functions(s, to_value) for s in spec]
+    shape, dtype, device, stride = spec
+    return (
+        tuple(to_value(x) for x in shape),
+        dtype,
+        device,
+        tuple(to_value(x) for x in stride),
+    )
+
+
+def _concrete(spec: Any, sym_values: Sequence[int]) -> Any:
+    shape, dtype, device, stride = spec
+    return (
+        tuple(f(*sym_values) for f in shape),
+        dtype,
+        device,
+        tuple(f(*sym_values) for f in stride),
+    )
 
 
 def _materialize(arg: Any, env: dict[str, Any]) -> Any:
@@ -216,7 +261,7 @@ def _conform(value: Any, spec: Any) -> Any:
     return value
 
 
-def _check(step: OpaqueStep, result: Any) -> Any:
+def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int]) -> Any:
     spec = step.spec
     if spec is None:
         return result
@@ -232,14 +277,14 @@ def _check(step: OpaqueStep, result: Any) -> Any:
                 continue
             if v is None:
                 raise SpeculationFailed(step, result)
-            v = _conform(v, s)
+            v = _conform(v, _concrete(s, sym_values))
             if v is None:
                 raise SpeculationFailed(step, result)
             out[i] = v
         return out
     if result is None:
         raise SpeculationFailed(step, result)
-    v = _conform(result, spec)
+    v = _conform(result, _concrete(spec, sym_values))
     if v is None:
         raise SpeculationFailed(step, result)
     return v
@@ -248,10 +293,16 @@ def _check(step: OpaqueStep, result: Any) -> Any:
 def run(
     sg: SegmentedGraph,
     inputs: Sequence[torch.Tensor],
+    sizes: list[int],
+    sym_values: Sequence[int],
     objects: Sequence[Any],
     on_speculation_failed: Callable[[OpaqueStep, Any, dict[str, Any]], list],
 ) -> list:
     """Runs the steps; returns the graph's outputs.
+
+    ``sizes`` is the graph's ``sizes`` list (every segment gets it whole);
+    ``sym_values`` the symbol values the opaque calls' assumed shapes are
+    evaluated at.
 
     ``on_speculation_failed(step, real_result, env)`` finishes the backward
     when a check fails and returns the outputs in place of the graph's.
@@ -265,7 +316,7 @@ def run(
         if isinstance(step, Segment):
             args = [env[n] for n in step.in_names]
             try:
-                outs = step.fn(args, [], [], [], [])
+                outs = step.fn(args, sizes, [], [], [])
             except Exception:
                 if step.calls:
                     raise
@@ -274,14 +325,14 @@ def run(
                 log.warning("cagrad: a graph segment failed to compile; running it uncompiled")
                 counters.bump("segment_compile_failures")
                 step.fn = step.graph_module
-                outs = step.fn(args, [], [], [], [])
+                outs = step.fn(args, sizes, [], [], [])
             step.calls += 1
             env.update(zip(step.out_names, outs))
             continue
         args = _materialize(step.args, env)
         result = step.node.target(*args)
         try:
-            result = _check(step, result)
+            result = _check(step, result, sym_values)
         except SpeculationFailed as e:
             return on_speculation_failed(step, e.result, env)
         env[step.node.name] = result

@@ -18,7 +18,7 @@ are recorded in the graph, and raises eager's errors at trace time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,8 +36,17 @@ def _expandable(shape: Sequence[int], desired: Sequence[int]) -> bool:
     return True
 
 
+def real_metadata(fn: Any, input_nr: int) -> tuple[Sequence[Any], torch.dtype, torch.device]:
+    """``(shape, dtype, device)`` a node expects at an input, as it records it."""
+    md = fn._input_metadata[input_nr]
+    return md.shape, md.dtype, md.device
+
+
 def validate_outputs(
-    name: str, edges: Sequence[Edge], grads: Sequence[torch.Tensor | None]
+    name: str,
+    edges: Sequence[Edge],
+    grads: Sequence[torch.Tensor | None],
+    metadata: Callable[[Any, int], tuple[Sequence[Any], torch.dtype, torch.device]] = real_metadata,
 ) -> list[torch.Tensor | None]:
     """The gradients ``name`` hands along ``edges``, checked as eager checks.
 
@@ -45,6 +54,8 @@ def validate_outputs(
         name: the node's name, for error messages.
         edges: ``(target node or None, input_nr)`` per output.
         grads: one gradient (or None) per edge.
+        metadata: ``(target, input_nr) -> (shape, dtype, device)``; during a
+            trace with dynamic sizes the shape holds SymInts.
 
     Returns:
         the adjusted gradients.
@@ -62,8 +73,8 @@ def validate_outputs(
     for i, ((fn, input_nr), grad) in enumerate(zip(edges, grads)):
         if fn is None or grad is None:
             continue
-        md = fn._input_metadata[input_nr]
-        shape = list(md.shape)
+        shape, dtype, device = metadata(fn, input_nr)
+        shape = list(shape)
         if list(grad.shape) != shape:
             if not _expandable(shape, grad.shape):
                 raise RuntimeError(
@@ -71,7 +82,6 @@ def validate_outputs(
                     f"got {list(grad.shape)} but expected shape compatible with {shape}"
                 )
             grad = grad.sum_to_size(shape)
-        dtype = md.dtype
         if not grad.dtype.is_floating_point and dtype.is_complex != grad.dtype.is_complex:
             raise RuntimeError(
                 f"Function {name} returned an invalid gradient at index {i} - "
@@ -79,13 +89,13 @@ def validate_outputs(
             )
         if grad.dtype != dtype:
             grad = grad.to(dtype)
-        if grad.device != md.device:
+        if grad.device != device:
             if grad.dim() == 0:
-                grad = grad.to(md.device)
+                grad = grad.to(device)
             else:
                 raise RuntimeError(
                     f"Function {name} returned an invalid gradient at index {i} - "
-                    f"expected device {md.device} but got {grad.device}"
+                    f"expected device {device} but got {grad.device}"
                 )
         out[i] = grad
     return out

@@ -129,6 +129,10 @@ class ResumePoint:
 class Executor(Protocol):
     """What the walk needs from a tracer or an interpreter."""
 
+    def metadata(self, fn: Any, input_nr: int) -> tuple[Sequence[Any], Any, Any]:
+        """``(shape, dtype, device)`` node ``fn`` expects at ``input_nr``."""
+        ...
+
     def validate(self, name: str, edges: Sequence[Any], grads: list, origin: str) -> list: ...
 
     def add(self, a: Any, b: Any, origin: str) -> Any: ...
@@ -292,7 +296,7 @@ class BackwardWalk:
         target = self.task.call_of[fn]
         if self.has_exec_info and not (target.needed or target.captures):
             return None
-        return target.input_metadata[input_nr]
+        return self.ex.metadata(fn, input_nr)
 
     def _tensor_hooks(self, hooks: NodeHooks | None, inputs: list, name: str) -> list:
         if hooks is None:

@@ -38,11 +38,13 @@ class Backward:
         outputs: the root tensor(s) of the backward.
         grad_outputs: their gradients (None: implicit ones for scalars).
         inputs: None for ``autograd.backward``; tensors for ``autograd.grad``.
+        dynamic: capture with every size that may be dynamic as a symbol.
     """
 
     outputs: torch.Tensor | Sequence[torch.Tensor]
     grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None
     inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
+    dynamic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,3 +281,11 @@ def inplace_on_view() -> Backward:
     y = x * 1
     y[1:].mul_(w)
     return Backward((y * y).sum())
+
+
+@scenario
+def mlp_dynamic_batch() -> Backward:
+    """an MLP step traced with dynamic sizes: sizes[j] symbols, Python formulas."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    return Backward(net(x).pow(2).mean(), dynamic=True)

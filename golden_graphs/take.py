@@ -28,7 +28,7 @@ def take(name: str, version: str | None = None) -> Snapshot:
     """
     sc = scenarios.get(name)
     bw = scenarios.build(name)
-    cap = cagrad.capture(bw.outputs, bw.grad_outputs, bw.inputs)
+    cap = cagrad.capture(bw.outputs, bw.grad_outputs, bw.inputs, dynamic=bw.dynamic)
     return Snapshot(
         scenario=name,
         torch=version or torch_version(),

@@ -293,7 +293,11 @@ def test_different_attributes_are_different_graphs(variant):
     assert cagrad.counters["captures"] == len(variants)
 
 
-def test_shape_change_is_a_new_capture_with_right_gradients():
+@pytest.mark.parametrize("dynamic, captures", [(False, 2), (True, 1)])
+def test_shape_change_with_right_gradients(dynamic, captures):
+    """dynamic=False: a new size is one more capture (with the changed sizes
+    as symbols); dynamic=True: sizes are symbols from the start."""
+
     def step(n):
         torch.manual_seed(n)
         w = torch.randn(4, 3, requires_grad=True)
@@ -301,14 +305,15 @@ def test_shape_change_is_a_new_capture_with_right_gradients():
         (x @ w).relu().sum().backward()
         return w.grad
 
-    sizes = [2, 2, 5, 2, 5]
+    sizes = [2, 2, 5, 2, 5, 7]
     expected = [step(n) for n in sizes]
-    with cagrad.enable("eager"):
+    with cagrad.enable("eager", dynamic=dynamic):
         actual = [step(n) for n in sizes]
     for e, g in zip(expected, actual):
         same(e, g)
-    assert cagrad.counters["captures"] == 2
-    assert cagrad.counters["cache_hits"] == 3
+    assert cagrad.counters["captures"] == captures
+    assert cagrad.counters["cache_hits"] == len(sizes) - captures
+    assert cagrad.counters["recompiles_shape"] == captures - 1
 
 
 def test_integer_root_gradient_is_cast_as_eager_casts_it():
