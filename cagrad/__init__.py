@@ -27,17 +27,40 @@ See DESIGN.md for the architecture; the modules map onto it:
 ``engine``             the stand-in for torch's autograd engine
 ``backends``           compiler_fn resolution
 ``counters``           counters and fallback reasons
+``sizes``              size slots (SizeInput) and per-variant size checks
+``formulas``           Python formulas for nodes that keep sizes as ints
+``explain``            why a backward misses the cache
+``logs``               the cagrad / cagrad.verbose loggers, CAGRAD_LOGS
+``events``             capture and run listeners
 =====================  =====================================================
 """
 
 from . import custom_function as _custom_function
 from . import hooks_census as _hooks_census
+from . import logs as _logs
 from .api import Capture, capture, enable, reset
 from .cache_key import CacheKey
 from .counters import counters
 from .errors import Unsupported
+from .explain import Diagnosis, explain
+from .logs import set_logs
 
 _hooks_census.install()
 _custom_function.install()
+try:
+    _logs.from_env()
+except ValueError as _e:
+    _logs.log.warning("%s", _e)
 
-__all__ = ["CacheKey", "Capture", "Unsupported", "capture", "counters", "enable", "reset"]
+__all__ = [
+    "CacheKey",
+    "Capture",
+    "Diagnosis",
+    "Unsupported",
+    "capture",
+    "counters",
+    "enable",
+    "explain",
+    "reset",
+    "set_logs",
+]

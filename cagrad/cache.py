@@ -100,6 +100,15 @@ class CacheNode:
             node = child
         return node
 
+    def find(self, keys: Sequence[CacheKey]) -> CacheNode | None:
+        """The node for ``keys`` if the whole path exists (creates nothing)."""
+        node = self
+        for key in keys:
+            node = node.children.get(key)
+            if node is None:
+                return None
+        return node
+
     def longest_prefix(self, keys: Sequence[CacheKey]) -> tuple[int, CacheNode]:
         """How many leading keys are already in the trie, and where they end."""
         node = self

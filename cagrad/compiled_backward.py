@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import events, runtime, segments
+from . import events, explain, logs, runtime, segments
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
@@ -170,13 +170,15 @@ def run(
         collected = collect_backward(
             call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad
         )
-        node = cache.lookup(collected.keys)
-        if node.verdict is not None:
+        node = cache.find(collected.keys)
+        if node is not None and node.verdict is not None:
             raise Unsupported(node.verdict.reason, node.verdict.detail)
         sizes = collected.collector.sizes
-        found = node.match(sizes.values)
+        found = None if node is None else node.match(sizes.values)
         if found is None:
-            entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic)
+            reason = explain.diagnose(cache, collected.keys, sizes) if _wants_reason() else None
+            node = cache.lookup(collected.keys)
+            entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic, reason)
             sym_values = entry.check.match(sizes.values)
             if sym_values is None:
                 raise Unsupported("dynamic_shapes", "a fresh capture does not accept its own sizes")
@@ -251,6 +253,10 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool) -> frozenset[int]
     return node.dynamic_slots
 
 
+def _wants_reason() -> bool:
+    return logs.verbose_log.isEnabledFor(logging.DEBUG) or bool(events.on_capture)
+
+
 def _capture(
     collected: CollectedBackward,
     root: CacheNode,
@@ -258,12 +264,14 @@ def _capture(
     compiler_fn: Any,
     compile_graph: Callable[..., Callable[..., Any]],
     dynamic: bool,
+    reason: Any = None,
 ) -> CompiledEntry:
     if len(node.variants) >= MAX_VARIANTS:
         node.verdict = FallbackVerdict(
             "too_many_size_variants", f"{MAX_VARIANTS} size variants of one graph were compiled"
         )
         raise Unsupported(node.verdict.reason, node.verdict.detail)
+    logs.miss(reason)
     sizes = collected.collector.sizes
     shape_change = bool(node.variants)
     dynamic_slots = _dynamic_slots(node, sizes, dynamic)
@@ -279,8 +287,12 @@ def _capture(
     elif root.captures:
         counters.bump("recompiles_new_node")
     root.captures += 1
-    log.debug("cagrad captured a backward of %d nodes", len(collected.node_keys))
     symbolic = not traced.check.is_static
+    if dynamic_slots and not dynamic:
+        logs.verbose_log.debug(
+            "sizes marked dynamic: %s",
+            ", ".join(sizes.origin(i) for i in sorted(dynamic_slots)[:16]),
+        )
     try:
         if traced.has_opaque_calls:
             sg = segments.split(traced.graph_module, traced.to_value)
@@ -292,11 +304,13 @@ def _capture(
         node.verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
         raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
     node.variants.append(entry)
+    logs.graph_captured(traced.graph_module)
     events.emit_capture(
         events.CaptureEvent(
             traced.graph_module,
             collected.node_keys,
             len(entry.segmented.segments) if entry.segmented is not None else 1,
+            reason,
         )
     )
     return entry

@@ -1,0 +1,81 @@
+"""cagrad's loggers, and switching them on like TORCH_LOGS.
+
+Loggers (standard :mod:`logging`):
+
+* ``cagrad``: fallbacks (INFO, with their reason) and every captured graph
+  (DEBUG, once per capture, as readable FX code);
+* ``cagrad.verbose``: why each capture happened (DEBUG): the new node type
+  and its index, the first differing byte of a key, or the sizes that
+  changed and became dynamic (see :mod:`cagrad.explain`).
+
+Switch them on with the environment variable ``CAGRAD_LOGS`` (read at
+import), a comma-separated list like ``TORCH_LOGS``: ``graph`` (captured
+graphs), ``verbose`` (miss reasons), ``fallbacks``; ``all`` for all three.
+Or call :func:`set_logs`. Either attaches one stderr handler to ``cagrad``
+if it has none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("cagrad")
+verbose_log = logging.getLogger("cagrad.verbose")
+
+_FORMAT = "[cagrad %(levelname)s] %(message)s"
+_KNOWN = ("graph", "verbose", "fallbacks")
+
+
+def set_logs(graph: bool = False, verbose: bool = False, fallbacks: bool = False) -> None:
+    """Sets what cagrad logs to stderr (replaces the previous setting).
+
+    Args:
+        graph: each captured graph (``cagrad`` at DEBUG).
+        verbose: why each capture happened (``cagrad.verbose`` at DEBUG).
+        fallbacks: each backward eager ran instead (``cagrad`` at INFO).
+    """
+    if graph:
+        log.setLevel(logging.DEBUG)
+    elif fallbacks:
+        log.setLevel(logging.INFO)
+    else:
+        log.setLevel(logging.WARNING)
+    verbose_log.setLevel(logging.DEBUG if verbose else logging.NOTSET)
+    if (graph or verbose or fallbacks) and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        log.addHandler(handler)
+
+
+def from_env(value: str | None = None) -> None:
+    """Applies ``CAGRAD_LOGS`` (or ``value``).
+
+    Raises:
+        ValueError: an unknown name in the list (the message lists the known).
+    """
+    value = os.environ.get("CAGRAD_LOGS", "") if value is None else value
+    names = {n.strip().lstrip("+") for n in value.split(",") if n.strip()}
+    if not names:
+        return
+    if "all" in names:
+        names = set(_KNOWN)
+    unknown = names - set(_KNOWN)
+    if unknown:
+        raise ValueError(f"CAGRAD_LOGS: unknown {sorted(unknown)}; known: {', '.join(_KNOWN)}, all")
+    set_logs(graph="graph" in names, verbose="verbose" in names, fallbacks="fallbacks" in names)
+
+
+def miss(reason: object) -> None:
+    """Logs why a backward is captured (formatted only when the logger is on)."""
+    if verbose_log.isEnabledFor(logging.DEBUG):
+        verbose_log.debug("capture: %s", reason)
+
+
+def graph_captured(graph_module) -> None:
+    """Logs a captured graph (formatted only when the logger is on)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "captured graph:\n%s",
+            graph_module.print_readable(print_output=False, include_stride=True, include_device=True),
+        )

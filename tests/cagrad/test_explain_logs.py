@@ -1,0 +1,84 @@
+"""cagrad.explain and the loggers name why a backward misses the cache."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cagrad
+from cagrad import logs
+
+
+def _mlp_loss(model, n):
+    return model(torch.randn(n, 8)).sum()
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_explain_first_hit_sizes_new_node_and_key(model):
+    assert cagrad.explain(_mlp_loss(model, 4), compiler_fn="eager", dynamic=False).kind == "first"
+    with cagrad.enable("eager", dynamic=False):
+        _mlp_loss(model, 4).backward()
+    d = cagrad.explain(_mlp_loss(model, 4), compiler_fn="eager", dynamic=False)
+    assert d.hit and str(d) == "cache hit"
+    d = cagrad.explain(_mlp_loss(model, 6), compiler_fn="eager", dynamic=False)
+    assert not d.hit and d.kind == "sizes"
+    assert {(old, new) for _, _, old, new in d.changed} == {(4, 6)}
+    assert any("AddmmBackward0" in where for _, where, _, _ in d.changed)
+    x = torch.randn(4, 3, requires_grad=True)
+    with cagrad.enable("eager", dynamic=False):
+        x.sum(0).exp().sum().backward()
+    d = cagrad.explain(x.sum(1).exp().sum(), compiler_fn="eager", dynamic=False)
+    assert d.kind == "key" and d.node_type == "SumBackward1" and d.byte_offset is not None
+    d = cagrad.explain(x.sin().sum(), compiler_fn="eager", dynamic=False)
+    assert d.kind == "new_node" and d.node_type == "SinBackward0"
+    assert "new node SinBackward0" in str(d)
+    # explain changes nothing
+    assert x.grad is not None and cagrad.counters["captures"] == 2
+
+
+def test_dynamic_variant_explains_a_hit_for_new_sizes(model):
+    with cagrad.enable("eager", dynamic=True):
+        _mlp_loss(model, 4).backward()
+    assert cagrad.explain(_mlp_loss(model, 9), compiler_fn="eager", dynamic=True).hit
+
+
+def test_verbose_log_names_the_miss_and_the_dynamic_sizes(model, caplog):
+    caplog.set_level(logging.DEBUG, logger="cagrad.verbose")
+    with cagrad.enable("eager", dynamic=False):
+        for n in (4, 4, 5):
+            _mlp_loss(model, n).backward()
+    lines = [r.getMessage() for r in caplog.records if r.name == "cagrad.verbose"]
+    assert lines[0] == "capture: cache miss: nothing cached yet for this compiler"
+    assert lines[1].startswith("capture: cache miss: sizes changed:") and "4 -> 5" in lines[1]
+    assert lines[2].startswith("sizes marked dynamic:") and "AddmmBackward0" in lines[2]
+    assert len(lines) == 3
+
+
+def test_graph_log_once_per_capture(model, caplog):
+    caplog.set_level(logging.DEBUG, logger="cagrad")
+    with cagrad.enable("eager"):
+        for _ in range(3):
+            _mlp_loss(model, 4).backward()
+    graphs = [r for r in caplog.records if r.getMessage().startswith("captured graph:")]
+    assert len(graphs) == 1
+    assert "torch.ops.aten.mm.default" in graphs[0].getMessage()
+
+
+def test_cagrad_logs_env_parsing():
+    try:
+        logs.from_env("verbose, graph")
+        assert logs.verbose_log.level == logging.DEBUG
+        assert logs.log.level == logging.DEBUG
+        with pytest.raises(ValueError, match="unknown"):
+            logs.from_env("nonsense")
+    finally:
+        logs.set_logs()
+    assert logs.log.level == logging.WARNING
