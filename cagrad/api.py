@@ -12,7 +12,8 @@ import torch.fx
 from . import engine
 from .backends import CompilerFn
 from .cache_key import CacheKey
-from .compiled_backward import check_supported_mode, collect_backward, trace
+from .cache import CacheNode
+from .compiled_backward import check_supported_mode, collect_backward, trace_with_retries
 from .counters import counters
 
 
@@ -128,5 +129,5 @@ def capture(
         raise e.cause from None
     sizes = collected.collector.sizes
     slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
-    traced = trace(collected, None, slots)
+    traced = trace_with_retries(collected, CacheNode(), slots, count=False)
     return Capture(traced.graph_module, collected.node_keys, collected.task_key)

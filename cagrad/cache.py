@@ -69,9 +69,20 @@ class CacheNode:
             assumption failed (see :class:`cagrad.walk.BackwardWalk`), and how
             often it was recaptured for them.
         captures: on the root: how many graphs were captured under it.
+        force_opaque: run-order positions of nodes that failed to trace;
+            captures of this key sequence call them as they are.
     """
 
-    __slots__ = ("children", "verdict", "variants", "dynamic_slots", "profile", "respeculations", "captures")
+    __slots__ = (
+        "children",
+        "verdict",
+        "variants",
+        "dynamic_slots",
+        "profile",
+        "respeculations",
+        "captures",
+        "force_opaque",
+    )
 
     def __init__(self) -> None:
         self.children: dict[CacheKey, CacheNode] = {}
@@ -81,6 +92,7 @@ class CacheNode:
         self.profile: dict[Any, tuple[bool, ...]] = {}
         self.respeculations = 0
         self.captures = 0
+        self.force_opaque: frozenset[int] = frozenset()
 
     def match(self, values: Sequence[int]) -> tuple[CompiledEntry, list[int]] | None:
         """The first variant whose size check accepts ``values``, with its symbol values."""

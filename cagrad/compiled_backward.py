@@ -29,7 +29,7 @@ from .cache_key import CacheKey, KeyWriter
 from .compiled_node_args import Collector, write_tensor
 from .compiler import AutogradCompilerInstance, Traced
 from .counters import counters
-from .errors import EagerError, Unsupported
+from .errors import EagerError, NodeTraceFailed, Unsupported
 from .graph_task import GraphTask
 from .hooks_census import Census
 
@@ -113,12 +113,20 @@ def trace(
     collected: CollectedBackward,
     profile: dict | None = None,
     dynamic_slots: frozenset[int] = frozenset(),
+    force_opaque: frozenset[int] = frozenset(),
 ) -> Traced:
     """Captures ``collected`` into a GraphModule (no compile, no run).
 
     Args:
         profile: None patterns seen at speculative calls before.
         dynamic_slots: size slots to trace as symbols.
+        force_opaque: run-order positions of nodes to call as they are
+            instead of tracing them (they failed to trace before).
+
+    Raises:
+        NodeTraceFailed: a node's backward could not be traced; retrying
+            with its position in ``force_opaque`` may succeed.
+        Unsupported: anything else that cannot be captured.
     """
     collector = collected.collector
     return AutogradCompilerInstance(
@@ -127,7 +135,40 @@ def trace(
         accumulate_at_end=not collector.any_opaque,
         profile=profile,
         dynamic_slots=dynamic_slots,
+        force_opaque=force_opaque,
     ).capture()
+
+
+MAX_FORCED_OPAQUE = 16
+
+
+def trace_with_retries(
+    collected: CollectedBackward, node: CacheNode, dynamic_slots: frozenset[int], count: bool = True
+) -> Traced:
+    """Traces; a node that fails to trace runs as it is in the next try.
+
+    The positions that failed are kept on ``node`` so later captures of the
+    same keys start with them opaque. Each one is logged and counted
+    (``counters["nodes_forced_opaque"]``, ``counters["opaque_reasons"]``)
+    unless ``count`` is False.
+
+    Raises:
+        Unsupported: more than :data:`MAX_FORCED_OPAQUE` nodes failed, or
+            something else cannot be captured.
+    """
+    while True:
+        try:
+            return trace(collected, node.profile, dynamic_slots, node.force_opaque)
+        except NodeTraceFailed as e:
+            if e.pos in node.force_opaque or len(node.force_opaque) >= MAX_FORCED_OPAQUE:
+                raise Unsupported(e.reason, e.detail) from e
+            name = collected.task.order[e.pos].name
+            detail = f"{name} (NodeCall {e.pos}): {e.detail}"
+            if count:
+                counters.record_forced_opaque(e.reason, detail)
+            else:
+                log.info("cagrad runs a node as it is (%s): %s", e.reason, detail)
+            node.force_opaque = node.force_opaque | {e.pos}
 
 
 @dataclasses.dataclass
@@ -276,7 +317,7 @@ def _capture(
     shape_change = bool(node.variants)
     dynamic_slots = _dynamic_slots(node, sizes, dynamic)
     try:
-        traced = trace(collected, node.profile, dynamic_slots)
+        traced = trace_with_retries(collected, node, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)
     except Unsupported as u:
         node.verdict = FallbackVerdict(u.reason, u.detail)

@@ -51,7 +51,7 @@ from .walk import Kind, NodeHooks, NodePlan
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.ACCUMULATE: b"a"}
+_KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.AOT: b"g", Kind.ACCUMULATE: b"a"}
 
 
 def _int64(v: int) -> int:
@@ -142,7 +142,11 @@ class Collector:
         metadata_slots: ``(NodeCall.id, input_nr) -> first size slot`` of the
             input metadata shapes written into the key.
         attr_slots: ``(NodeCall.id, attr) -> the attribute's structure with
-            size slots in place of its ints``, for SymInt-typed attributes.
+            size slots in place of its ints``, for SymInt-typed attributes
+            (and an inlined AOT backward's ``symints``).
+        output_slots: ``(NodeCall.id, i) -> first size slot`` of the shape of
+            a non-differentiable forward output of an inlined AOT backward
+            (its materialized zero gradient has that shape).
         any_opaque: some node has hooks or runs opaque, so leaves are
             accumulated in order inside the graph.
     """
@@ -158,6 +162,7 @@ class Collector:
         self.sizes = SizeInputs()
         self.metadata_slots: dict[tuple[int, int], int] = {}
         self.attr_slots: dict[tuple[int, str], Any] = {}
+        self.output_slots: dict[tuple[int, int], int] = {}
 
     def obj(self, o: Any) -> int:
         self.objects.append(o)
@@ -206,6 +211,8 @@ class Collector:
             return CacheKey(name, w.getvalue())
         if plan.kind is Kind.TRACED:
             self._write_traced(w, call, schema)
+        elif plan.kind is Kind.AOT:
+            self._write_aot(w, call, plan)
         elif plan.kind is Kind.CUSTOM:
             self._write_custom(w, node, plan.record)
             self.releases.append(call)
@@ -224,14 +231,14 @@ class Collector:
         if not call.needed:
             return NodePlan(Kind.TRACED)  # never runs
         if kind is NodeKind.CUSTOM_FUNCTION:
-            if getattr(node._forward_cls, "boxed_grads_call", False):
-                raise Unsupported("custom_function_boxed", f"{schema.name} uses boxed_grads_call")
             record = custom_function.record_of(node)
             if record is None:
                 raise Unsupported(
                     "custom_function_unrecorded",
                     f"{schema.name} was applied before cagrad was imported (no forward record)",
                 )
+            if custom_function.aot_inline_info(node) is not None:
+                return NodePlan(Kind.AOT, record=record)
             self.any_opaque = True
             return NodePlan(Kind.CUSTOM, node=self.obj(node), record=record)
         if kind is NodeKind.GENERATED and self._traceable(call, schema):
@@ -298,6 +305,45 @@ class Collector:
             return
         start = write_tensor(w, value, what, self.sizes)
         self.args.add(value, slot, start)
+
+    def _write_aot(self, w: KeyWriter, call: NodeCall, plan: NodePlan) -> None:
+        """An inlined AOTAutograd backward: its compiled function, saved
+        tensors (lifted), symints (size slots), forward outputs, and whether
+        it has a ``BackwardState`` (its tensor hooks run as opaque calls on
+        this backward's state, runtime object ``plan.node``)."""
+        node = call.node
+        name = call.name
+        record = plan.record
+        self._write_custom(w, node, record)
+        w.size(node._forward_cls._aot_id)
+        w.value((node.materialize_grads, node._materialize_non_diff_grads))
+        for i, info in enumerate(record.outputs):
+            if info is None:
+                w.tag(b"N")
+                continue
+            w.value(info.differentiable)
+            w.dtype(info.dtype)
+            w.device(info.device)
+            if not info.differentiable:
+                w.size(len(info.shape))
+                self.output_slots[(call.id, i)] = self.sizes.add(info.shape, False, f"{name} output {i}")
+        self.attr_slots[(call.id, "symints")] = self._sym_attr(
+            w, tuple(node.symints), True, f"{name}.symints"
+        )
+        state = custom_function.backward_state_of(node)
+        if state is not None:
+            w.tag(b"B")
+            plan.node = self.obj(state)
+            self.any_opaque = True  # its hooks may observe .grad
+        else:
+            w.tag(b"-")
+        try:
+            values = node.saved_tensors
+        except RuntimeError as e:
+            raise EagerError(e) from e
+        w.size(len(values))
+        for i, value in enumerate(values):
+            self._lift(w, value, (node, "tensors", i), f"{name}.saved_tensors[{i}]")
 
     def _write_custom(self, w: KeyWriter, node: Any, record: Any) -> None:
         cls = node._forward_cls

@@ -48,15 +48,15 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import formulas, runtime_ops, saved_variables
+from . import custom_function, formulas, runtime_ops, saved_variables
 from .accumulate import dense_strides
 from .compiled_node_args import Collector
-from .errors import Unsupported
+from .errors import NodeTraceFailed, Unsupported
 from .graph_task import GraphTask, NodeCall
 from .saved_variables import SwapSavedVariables
 from .sizes import SizeCheck, static_check, symbolic_check
 from .validate import validate_outputs
-from .walk import MUST_BE_NONE, BackwardWalk, Obj, ResumePoint
+from .walk import MUST_BE_NONE, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
 
 PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_inputs")
 
@@ -72,6 +72,7 @@ OPAQUE_TARGETS = frozenset(
         "accumulate",
         "call_node",
         "call_custom_function",
+        "backward_state_hook",
     )
 )
 
@@ -101,6 +102,11 @@ class Traced:
         to_value: turns a SymInt of the trace into a function of the check's
             symbol values (ints pass through as constants); used to evaluate
             opaque calls' assumed shapes at run time.
+        plans: the node plans the graph was traced with (nodes forced to run
+            as they are included).
+        force_opaque: positions of nodes that failed to trace and run as
+            they are; their nodes follow the collected runtime objects, in
+            position order (see :func:`runtime_objects`).
     """
 
     graph_module: torch.fx.GraphModule
@@ -112,6 +118,8 @@ class Traced:
     check: SizeCheck
     size_inputs: list[Any]
     to_value: Any
+    plans: list[Any]
+    force_opaque: frozenset[int]
 
     @property
     def has_opaque_calls(self) -> bool:
@@ -119,6 +127,101 @@ class Traced:
             n.op == "call_function" and n.target in OPAQUE_TARGETS
             for n in self.graph_module.graph.nodes
         )
+
+
+def runtime_objects(collector: Collector, task: GraphTask, force_opaque: frozenset[int]) -> list[Any]:
+    """The graph's ``hooks`` list: collected objects, then forced-opaque nodes."""
+    return collector.objects + [task.order[pos].node for pos in sorted(force_opaque)]
+
+
+def _forced_plans(
+    collector: Collector, task: GraphTask, force_opaque: frozenset[int]
+) -> list[NodePlan]:
+    plans = list(collector.plans)
+    index = len(collector.objects)
+    for pos in sorted(force_opaque):
+        plan = plans[pos]
+        if plan.kind in (Kind.AOT, Kind.CUSTOM):
+            plans[pos] = NodePlan(Kind.CUSTOM, plan.hooks, node=index, record=plan.record)
+        else:
+            plans[pos] = NodePlan(Kind.OPAQUE, plan.hooks, node=index)
+        index += 1
+    return plans
+
+
+class _AotBackward(torch.fx.Interpreter):
+    """Runs an AOTAutograd backward graph op by op, so the trace records it.
+
+    ``aten.view`` becomes ``aten.reshape``: the lazily compiled backward graph
+    has not had the view-to-reshape pass the forward's compile applied, and
+    saved tensors may not be viewable the way it assumed (torch's compiled
+    autograd rewrites the same way when it inlines these graphs).
+
+    Args:
+        hooks: ``{graph node name: hook name}`` of the graph's tensor hook
+            calls on its ``BackwardState`` (see
+            :func:`cagrad.custom_function.backward_state_hooks`); each runs as
+            ``call_hook(hook name, gradient)`` instead (the state placeholder
+            is then never read).
+    """
+
+    def __init__(
+        self,
+        module: torch.fx.GraphModule,
+        hooks: dict[str, str] | None = None,
+        call_hook: Any = None,
+    ) -> None:
+        super().__init__(module)
+        self.hooks = hooks or {}
+        self.call_hook = call_hook
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        name = self.hooks.get(n.name) if n.op == "call_function" else None
+        if name is None:
+            return super().run_node(n)
+        return self.call_hook(name, self.env[n.args[0]])
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten.view.default:
+            target = torch.ops.aten.reshape.default
+        return super().call_function(target, args, kwargs)
+
+
+# what an inlined AOT backward graph gets for its BackwardState input: the
+# state's only uses run as ``call_hook`` and never read it
+_STATE_PLACEHOLDER = object()
+
+
+def run_aot_backward(
+    info: tuple[Any, Any, Any],
+    saved: list,
+    symints: list,
+    grads: list,
+    call_hook: Any = None,
+) -> Any:
+    """Runs an AOTAutograd backward graph as torch's compiled autograd
+    inlines it (``proxy_call_aot_backward``): prologue, graph, epilogue.
+
+    Args:
+        info: the node's :func:`~cagrad.custom_function.aot_inline_info`.
+        saved, symints, grads: the ctx's saved tensors and symints and the
+            materialized incoming gradients.
+        call_hook: for a graph that takes a ``BackwardState``:
+            ``call_hook(hook name, gradient) -> gradient`` runs each of its
+            tensor hooks.
+    """
+    bw_module, prologue, epilogue = info
+    all_args = prologue(saved, list(symints), [], list(grads))
+    state = custom_function.backward_state_hooks(bw_module)
+    hooks = None
+    if state is not None:
+        # torch's convention: [*symints, *saved, *grads, backward_state]
+        _, hooks = state
+        num_placeholders = sum(1 for n in bw_module.graph.nodes if n.op == "placeholder")
+        if hooks is None or call_hook is None or len(all_args) != num_placeholders - 1:
+            raise RuntimeError("cannot pass the BackwardState of this AOT backward graph")
+        all_args = [*all_args, _STATE_PLACEHOLDER]
+    return epilogue(_AotBackward(bw_module, hooks, call_hook).run(*all_args))
 
 
 def contiguous_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
@@ -159,6 +262,8 @@ class AutogradCompilerInstance:
         profile: None patterns seen at speculative calls (see
             :class:`~cagrad.walk.BackwardWalk`).
         dynamic_slots: the size slots to trace as symbols.
+        force_opaque: positions of nodes to run as they are (they failed to
+            trace before).
     """
 
     def __init__(
@@ -168,13 +273,15 @@ class AutogradCompilerInstance:
         accumulate_at_end: bool,
         profile: dict | None = None,
         dynamic_slots: frozenset[int] = frozenset(),
+        force_opaque: frozenset[int] = frozenset(),
     ) -> None:
         self.task = task
         self.collector = collector
-        self.plans = collector.plans
+        self.force_opaque = force_opaque
+        self.plans = _forced_plans(collector, task, force_opaque)
         self.args = collector.args
         self.num_roots = len(task.root_edges)
-        self.accumulate_at_end = accumulate_at_end
+        self.accumulate_at_end = accumulate_at_end and not force_opaque
         self.profile = profile
         self.tracer = PythonKeyTracer()
         self.tracer.root = torch.nn.Module()
@@ -300,12 +407,52 @@ class AutogradCompilerInstance:
         except Unsupported:
             raise
         except Exception as e:
-            raise Unsupported(f"trace_failed:{name}", f"{type(e).__name__}: {e}") from e
+            raise NodeTraceFailed(f"trace_failed:{name}", f"{type(e).__name__}: {e}", pos) from e
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         for g in outs:
             if g is not None and g.layout is not torch.strided:
                 raise Unsupported("non_strided_tensor", f"{name} returned a {g.layout} gradient")
         self._tag_since(marker, f"{name} (NodeCall {pos})")
+        return outs
+
+    def apply_aot(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
+        node = call.node
+        info = custom_function.aot_inline_info(node)
+        symints = self._sym_attr(call, "symints") or []
+        origin = f"{call.name} (NodeCall {pos})"
+
+        def call_hook(name: str, grad: torch.Tensor) -> torch.Tensor:
+            # a tensor hook of the forward's BackwardState (runtime object
+            # plan.node): an opaque call assumed to keep the gradient's
+            # shape, dtype and device, which runtime_ops checks
+            return self.opaque(
+                "backward_state_hook",
+                (Obj(plan.node), name, grad),
+                grad,
+                f"{origin} hook {name}",
+                None,
+            )
+
+        def backward(args: list) -> Any:
+            saved = list(node.saved_tensors)
+            return run_aot_backward(info, saved, list(symints), args, call_hook)
+
+        def output_shape(i: int) -> Sequence[Any]:
+            start = self.collector.output_slots.get((call.id, i))
+            if start is None:
+                return self.metadata(node, i)[0]
+            return self.slot_values[start : start + len(plan.record.outputs[i].shape)]
+
+        marker = self._last_node()
+        try:
+            outs = custom_function.apply(
+                node, plan.record, call.edges, inputs, backward, self.metadata, output_shape
+            )
+        except Unsupported:
+            raise
+        except Exception as e:
+            raise NodeTraceFailed(f"trace_failed:{call.name}", f"{type(e).__name__}: {e}", pos) from e
+        self._tag_since(marker, origin)
         return outs
 
     def _arg(self, a: Any) -> Any:
@@ -424,6 +571,8 @@ class AutogradCompilerInstance:
             check,
             size_inputs,
             to_value,
+            self.plans,
+            self.force_opaque,
         )
 
     def _size_check(self, used_sizes: list[int]) -> tuple[SizeCheck, list[Any], Any]:

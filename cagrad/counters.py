@@ -20,6 +20,8 @@ _INT_KEYS = (
     "deopts",  # compiled backwards finished by the interpreter (a hook or opaque
     # node returned None where the graph assumed a gradient)
     "segment_compile_failures",  # graph segments run uncompiled after a backend error
+    "nodes_forced_opaque",  # nodes that failed to trace and run as they are in
+    # their compiled backward (the rest of the graph stays compiled)
 )
 
 
@@ -28,10 +30,11 @@ class Counters(Mapping[str, Any]):
 
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
     ``fallbacks``, ``recompiles_shape``, ``recompiles_new_node``, ``deopts``,
-    ``segment_compile_failures``, and
+    ``segment_compile_failures``, ``nodes_forced_opaque``;
     ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
     :class:`cagrad.errors.Unsupported`) to the number of backward passes that
-    fell back for it. ``cagrad.reset()`` sets them all to zero in place, so a
+    fell back for it; and ``opaque_reasons``, the same for nodes forced to
+    run as they are. ``cagrad.reset()`` sets them all to zero in place, so a
     reference to this object stays valid.
     """
 
@@ -39,21 +42,28 @@ class Counters(Mapping[str, Any]):
         self._lock = threading.Lock()
         self._ints: dict[str, int] = dict.fromkeys(_INT_KEYS, 0)
         self._reasons: collections.Counter[str] = collections.Counter()
+        self._opaque: collections.Counter[str] = collections.Counter()
 
     def __getitem__(self, key: str) -> Any:
         if key == "fallback_reasons":
             return self._reasons
+        if key == "opaque_reasons":
+            return self._opaque
         return self._ints[key]
 
     def __iter__(self) -> Iterator[str]:
         yield from self._ints
         yield "fallback_reasons"
+        yield "opaque_reasons"
 
     def __len__(self) -> int:
-        return len(self._ints) + 1
+        return len(self._ints) + 2
 
     def __repr__(self) -> str:
-        return f"Counters({dict(self._ints)}, fallback_reasons={dict(self._reasons)})"
+        return (
+            f"Counters({dict(self._ints)}, fallback_reasons={dict(self._reasons)}, "
+            f"opaque_reasons={dict(self._opaque)})"
+        )
 
     def bump(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -66,17 +76,26 @@ class Counters(Mapping[str, Any]):
             self._reasons[reason] += 1
         log.info("cagrad falls back to eager autograd (%s): %s", reason, detail)
 
+    def record_forced_opaque(self, reason: str, detail: str) -> None:
+        """Counts one node that failed to trace and runs as it is, and logs why."""
+        with self._lock:
+            self._ints["nodes_forced_opaque"] += 1
+            self._opaque[reason] += 1
+        log.info("cagrad runs a node as it is (%s): %s", reason, detail)
+
     def clear(self) -> None:
         with self._lock:
             for key in self._ints:
                 self._ints[key] = 0
             self._reasons.clear()
+            self._opaque.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """A plain-dict copy, e.g. for deltas around a run."""
         with self._lock:
             out: dict[str, Any] = dict(self._ints)
             out["fallback_reasons"] = dict(self._reasons)
+            out["opaque_reasons"] = dict(self._opaque)
             return out
 
 

@@ -26,13 +26,16 @@ backward falls back to eager.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import sys
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx
 from torch.autograd.function import BackwardCFunction, Function
 
-from .validate import validate_outputs
+from .validate import real_metadata, validate_outputs
 
 _RECORD = "_cagrad_record"
 _MATERIALIZE = "_cagrad_materialize_grads"
@@ -131,7 +134,15 @@ def record_of(node: Any) -> ForwardRecord | None:
     return record
 
 
-def apply(node: Any, record: ForwardRecord, edges: Sequence[Any], grads: Sequence[Any]) -> list:
+def apply(
+    node: Any,
+    record: ForwardRecord,
+    edges: Sequence[Any],
+    grads: Sequence[Any],
+    backward: Callable[[list], Any] | None = None,
+    metadata: Callable[[Any, int], tuple] = real_metadata,
+    output_shape: Callable[[int], Sequence[Any]] | None = None,
+) -> list:
     """Runs the node's backward as ``PyNode::apply`` + ``validate_outputs`` do.
 
     Args:
@@ -139,6 +150,13 @@ def apply(node: Any, record: ForwardRecord, edges: Sequence[Any], grads: Sequenc
         record: its :func:`record_of`.
         edges: its ``next_functions``.
         grads: one incoming gradient (or None) per forward output.
+        backward: runs the backward on the materialized gradients (default:
+            the node's own ``apply``/``apply_boxed``); a trace passes one that
+            inlines the backward's graph.
+        metadata: target input metadata for ``validate_outputs``.
+        output_shape: the shape of forward output ``i`` for materialized
+            zeros (default: the recorded one); a trace with dynamic sizes
+            passes symbolic ones.
 
     Returns:
         one gradient (or None) per edge.
@@ -150,13 +168,21 @@ def apply(node: Any, record: ForwardRecord, edges: Sequence[Any], grads: Sequenc
     name = type(node).__name__
     materialize = node.__dict__.get(_MATERIALIZE, True)
     args = []
-    for g, info in zip(grads, record.outputs):
+    for i, (g, info) in enumerate(zip(grads, record.outputs)):
         if g is None and materialize and info is not None:
             if info.differentiable or node._materialize_non_diff_grads:
-                g = torch.zeros(info.shape, dtype=info.dtype, device=info.device)
+                shape = info.shape if output_shape is None else output_shape(i)
+                g = torch.zeros(shape, dtype=info.dtype, device=info.device)
         args.append(g)
     with torch.no_grad():
-        r = node.apply(*args)
+        if backward is not None:
+            r = backward(args)
+        elif getattr(node._forward_cls, "boxed_grads_call", False):
+            # PyNode::apply hands such backwards (AOTAutograd's compiled
+            # ones) the gradients as one mutable list
+            r = node.apply_boxed(list(args))
+        else:
+            r = node.apply(*args)
     r = r if isinstance(r, tuple) else (r,)
     n_inputs = len(record.is_variable_input)
     if len(r) > n_inputs and all(x is None for x in r[n_inputs:]):
@@ -178,4 +204,191 @@ def apply(node: Any, record: ForwardRecord, edges: Sequence[Any], grads: Sequenc
         if g is not None and not isinstance(g, torch.Tensor):
             raise RuntimeError(f"expected Variable or None (got {type(g).__name__})")
         outs.append(g)
-    return validate_outputs(name, edges, outs)
+    return validate_outputs(name, edges, outs, metadata)
+
+
+def aot_inline_info(node: Any) -> tuple[Any, Any, Any] | None:
+    """``(bw_module, prologue, epilogue)`` of an AOTAutograd backward node
+    whose graph can be inlined, or None (then it runs as it is).
+
+    Inlining needs what torch's compiled autograd uses too (torch 2.13:
+    ``CompiledFunction._bw_prologue_fn``/``_bw_epilogue_fn`` and the lazily
+    compiled ``bw_module``), no tensor subclasses and no opaque objects. A
+    backward state (see :func:`backward_state_of`) is supported when every
+    use of it in the graph is a tensor hook call (see
+    :func:`backward_state_hooks`).
+    """
+    cls = node._forward_cls
+    if not hasattr(cls, "_aot_id"):
+        return None
+    prologue = getattr(cls, "_bw_prologue_fn", None)
+    epilogue = getattr(cls, "_bw_epilogue_fn", None)
+    if prologue is None and epilogue is None:
+        prologue, epilogue = _functional_prologue_epilogue(cls)
+    info = getattr(cls, "_lazy_backward_info", None)
+    bw_module = getattr(info, "bw_module", None)
+    if prologue is None or epilogue is None or bw_module is None:
+        return None
+    if getattr(cls, "maybe_subclass_metadata", None) is not None:
+        return None
+    state_hooks = backward_state_hooks(bw_module)
+    if (backward_state_of(node) is None) != (state_hooks is None):
+        return None
+    if state_hooks is not None and state_hooks[1] is None:
+        return None  # the state is used by something other than tensor hooks
+    if getattr(node, "opaque_objects", None):
+        return None
+    return bw_module, prologue, epilogue
+
+
+def _functional_prologue_epilogue(cls: Any) -> tuple[Any, Any]:
+    """torch 2.11/2.12 have no generated ``_bw_prologue_fn``/``_bw_epilogue_fn``:
+    their compiled autograd calls ``runtime_wrappers._backward_prologue_functional``
+    and ``_backward_epilogue_functional`` with the class's metadata instead.
+    Returns them with the generated functions' signatures, or ``(None, None)``."""
+    rw = sys.modules.get("torch._functorch._aot_autograd.runtime_wrappers")
+    prologue_fn = getattr(rw, "_backward_prologue_functional", None)
+    epilogue_fn = getattr(rw, "_backward_epilogue_functional", None)
+    metadata = getattr(cls, "metadata", None)
+    if prologue_fn is None or epilogue_fn is None or metadata is None:
+        return None, None
+    subclass = getattr(cls, "maybe_subclass_metadata", None)
+
+    def prologue(
+        saved: Sequence[Any], symints: Sequence[Any], opaque: Sequence[Any], args: Sequence[Any]
+    ) -> Any:
+        return prologue_fn(saved, symints, opaque, metadata, subclass, *args)
+
+    def epilogue(out: Any) -> Any:
+        return epilogue_fn(metadata, subclass, out)
+
+    return prologue, epilogue
+
+
+# -- BackwardState ----------------------------------------------------------
+#
+# A tensor hook registered inside a torch.compile'd forward while compiled
+# autograd is on (Dynamo reads ``compiled_autograd.compiled_autograd_enabled``)
+# is not registered on the tensor: Dynamo stores the hook as an attribute of a
+# ``BackwardState`` that the forward receives as an input, AOTAutograd keeps it
+# on the ctx (``ctx._compiled_autograd_backward_state``), and the backward
+# graph gets it as its last placeholder, used only as the ``bw_state`` of
+# ``trace_wrapped`` calls whose ``fn`` is
+# ``torch._dynamo.external_utils.call_hook_from_backward_state`` (the hook is
+# ``getattr(bw_state, hook_name)``). AOTAutograd's own backward refuses to
+# run such a graph ("BackwardState requires CompiledAutograd"); torch's
+# compiled autograd passes the state as the graph's last argument after the
+# prologue's ``[*symints, *saved, *grads]`` (``proxy_call_aot_backward``).
+
+_TRACE_WRAPPED_MODULE = "torch._dynamo._trace_wrapped_higher_order_op"
+_HOOK_KWARGS = frozenset(("fn", "bw_state", "hook_name"))
+# bw_module -> what backward_state_hooks found (names only: no reference back
+# to the module, which is the weak key)
+_state_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_UNSET = object()
+
+
+def backward_state_of(node: Any) -> Any:
+    """The ``BackwardState`` of an AOTAutograd backward node, or None."""
+    return getattr(node, "_compiled_autograd_backward_state", None)
+
+
+def _trace_wrapped_kwargs(target: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The keyword arguments a call in an AOT backward graph hands to Dynamo's
+    ``trace_wrapped`` op (its ``fn`` included), or None if it is no such call.
+
+    In the graph the call's target is the ``self_invoke`` closure that
+    ``trace_wrapped``'s proxy-mode rule records (keeping ``fn`` and the other
+    static kwargs in its closure, ``bw_state`` as a node kwarg); a graph may
+    also name the op or ``trace_wrapped`` itself.
+    """
+    module = sys.modules.get(_TRACE_WRAPPED_MODULE)
+    if module is None:
+        return None
+    if target is getattr(module, "_trace_wrapped_op", None) or target is getattr(
+        module, "trace_wrapped", None
+    ):
+        return dict(kwargs)
+    if getattr(target, "__module__", None) != _TRACE_WRAPPED_MODULE:
+        return None
+    if getattr(target, "__name__", None) != "self_invoke":
+        return None
+    code = getattr(target, "__code__", None)
+    closure = getattr(target, "__closure__", None) or ()
+    if code is None:
+        return None
+    cell = dict(zip(code.co_freevars, closure)).get("kwargs")
+    if cell is None:
+        return None
+    try:
+        static = cell.cell_contents
+    except ValueError:
+        return None
+    if not isinstance(static, dict):
+        return None
+    return {**kwargs, **static}
+
+
+def _call_hook_fn() -> Any:
+    external_utils = sys.modules.get("torch._dynamo.external_utils")
+    return getattr(external_utils, "call_hook_from_backward_state", None)
+
+
+def backward_state_hooks(bw_module: Any) -> tuple[str, dict[str, str] | None] | None:
+    """Where an AOT backward graph uses a ``BackwardState`` input.
+
+    Returns:
+        None if the graph takes no ``BackwardState``; else the name of its
+        placeholder and ``{graph node name: hook name}`` of its uses, or
+        ``(name, None)`` when it cannot be inlined: the state is not the
+        graph's last placeholder (torch's calling convention), or some use
+        is not a ``trace_wrapped`` call of ``call_hook_from_backward_state``
+        on one tensor (module hooks, ...).
+    """
+    try:
+        found = _state_hooks.get(bw_module, _UNSET)
+    except TypeError:  # not weakly referenceable
+        return _find_state_hooks(bw_module)
+    if found is _UNSET:
+        found = _find_state_hooks(bw_module)
+        _state_hooks[bw_module] = found
+    return found
+
+
+def _find_state_hooks(bw_module: Any) -> tuple[str, dict[str, str] | None] | None:
+    graph = getattr(bw_module, "graph", None)
+    if graph is None:
+        return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    state_type = getattr(
+        sys.modules.get("torch.fx.experimental._backward_state"), "BackwardState", None
+    )
+    if state_type is None:
+        return None
+    is_state = [isinstance(n.meta.get("val"), state_type) for n in placeholders]
+    if not any(is_state):
+        return None
+    ph = placeholders[-1]
+    if sum(is_state) != 1 or not is_state[-1]:
+        return ph.name, None
+    call_hook = _call_hook_fn()
+    hooks: dict[str, str] = {}
+    for user in ph.users:
+        kwargs = (
+            _trace_wrapped_kwargs(user.target, dict(user.kwargs))
+            if user.op == "call_function"
+            else None
+        )
+        if (
+            kwargs is None
+            or call_hook is None
+            or set(kwargs) != _HOOK_KWARGS
+            or kwargs["fn"] is not call_hook
+            or kwargs["bw_state"] is not ph
+            or not isinstance(kwargs["hook_name"], str)
+            or len(user.args) != 1
+            or not isinstance(user.args[0], torch.fx.Node)
+        ):
+            return ph.name, None
+        hooks[user.name] = kwargs["hook_name"]
+    return ph.name, hooks

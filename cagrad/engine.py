@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch._dynamo
 from torch.autograd.variable import Variable
 
 from . import compiled_backward
@@ -84,8 +86,11 @@ class CagradEngine:
             tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
         )
         state = _stack[-1] if _stack else None
-        if state is None or getattr(_tls, "busy", False):
-            # a backward started while cagrad compiles or runs one goes to eager
+        if state is None or getattr(_tls, "busy", False) or _tracing():
+            # a backward started while cagrad compiles or runs one, or one
+            # that torch.compile's own tracing runs (AOTAutograd's joint
+            # graph, under FakeTensors), goes to eager uncounted: it is part
+            # of a compile, not a user's backward
             return call.run_eager(self._eager)
         with _lock:
             _tls.busy = True
@@ -102,8 +107,19 @@ class CagradEngine:
                 if gc_was_enabled:
                     gc.enable()
 
+    # Dynamo must not trace into cagrad: a backward inside a torch.compile'd
+    # function graph-breaks here and runs as a plain Python call
+    run_backward = torch._dynamo.disable(run_backward, recursive=True)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._eager, name)
+
+
+def _tracing() -> bool:
+    """True while torch.compile traces (Dynamo, or AOTAutograd on FakeTensors)."""
+    return torch.compiler.is_compiling() or (
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    )
 
 
 _engine = CagradEngine(_eager_engine)

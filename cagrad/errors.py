@@ -25,6 +25,20 @@ class Unsupported(Exception):
         self.detail = detail
 
 
+class NodeTraceFailed(Unsupported):
+    """One node could not be traced; it can run as it is instead.
+
+    Attributes:
+        pos: the node's position in the run order; the backward is traced
+            again with that node as an opaque call (see
+            :mod:`cagrad.compiled_backward`).
+    """
+
+    def __init__(self, reason: str, detail: str, pos: int) -> None:
+        super().__init__(reason, detail)
+        self.pos = pos
+
+
 class EagerError(Exception):
     """Eager autograd would raise here; let eager run and raise it itself.
 

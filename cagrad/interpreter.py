@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from . import runtime_ops
+from . import custom_function, runtime_ops
+from .compiler import run_aot_backward
 from .graph_task import GraphTask, NodeCall
 from .validate import real_metadata, validate_outputs
 from .walk import BackwardWalk, NodePlan, Obj
@@ -43,6 +44,25 @@ class Interpreter:
         with torch.no_grad():
             out = call.node(*inputs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def apply_aot(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
+        node = call.node
+        if custom_function.backward_state_of(node) is None:
+            # on real tensors an AOT backward runs as PyNode runs it
+            return custom_function.apply(node, plan.record, call.edges, inputs)
+        # one with a BackwardState refuses to run that way: its graph runs
+        # with the hooks called as in the compiled graph
+        info = custom_function.aot_inline_info(node)
+        state = self.objects[plan.node]
+
+        def call_hook(name: str, grad: torch.Tensor) -> torch.Tensor:
+            return runtime_ops.backward_state_hook(state, name, grad)
+
+        def backward(args: list) -> Any:
+            saved = list(node.saved_tensors)
+            return run_aot_backward(info, saved, list(node.symints), args, call_hook)
+
+        return custom_function.apply(node, plan.record, call.edges, inputs, backward)
 
     def _arg(self, a: Any) -> Any:
         if isinstance(a, Obj):

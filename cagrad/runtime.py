@@ -23,6 +23,7 @@ import torch
 
 from . import interpreter, saved_variables, segments
 from .accumulate import accumulate_grad
+from .compiler import runtime_objects
 from .counters import counters
 from .walk import Kind
 
@@ -69,7 +70,7 @@ def finish_whole(entry: Any, collected: Any, outs: Sequence[torch.Tensor]) -> li
 def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list[int]) -> list:
     """Runs a segmented backward; returns the ``autograd.grad`` results."""
     traced = entry.traced
-    objects = collected.collector.objects
+    objects = runtime_objects(collected.collector, collected.task, traced.force_opaque)
     resumed: list[list] = []
 
     def on_speculation_failed(step: Any, result: Any, env: dict) -> list:
@@ -85,7 +86,7 @@ def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list
         )
         resumed.append(
             interpreter.resume(
-                collected.task, collected.collector.plans, objects, step.resume, env, result, False
+                collected.task, traced.plans, objects, step.resume, env, result, False
             )
         )
         return []

@@ -168,3 +168,37 @@ def call_custom_function(node: Any, grads: Sequence[Grad]) -> list[Grad]:
     if record is None:
         raise RuntimeError(f"cagrad has no forward record for {type(node).__name__}")
     return custom_function.apply(node, record, node.next_functions, grads)
+
+
+def backward_state_hook(bw_state: Any, name: str, grad: torch.Tensor) -> torch.Tensor:
+    """A tensor hook registered inside a torch.compile'd forward, as the
+    inlined AOT backward graph calls it.
+
+    Under compiled autograd Dynamo does not register such a hook on the
+    tensor: it keeps it as attribute ``name`` of the forward's
+    ``BackwardState`` and the backward graph calls it through
+    ``call_hook_from_backward_state`` (see
+    :func:`cagrad.custom_function.backward_state_hooks`). It runs here on
+    the real gradient, with this backward's ``BackwardState``, and its result
+    is checked like a tensor hook's (``check_single_result``); the graph
+    continues with a gradient of the same shape, dtype and device.
+
+    Returns:
+        the hook's result, or ``grad`` if it returned None.
+
+    Raises:
+        RuntimeError / TypeError: eager's messages for a hook that changes the
+            gradient's size or type; a change of device index is refused too
+            (the compiled graph goes on with the original device).
+    """
+    hook = getattr(bw_state, name)
+    result = hook(grad)
+    if result is None or result is grad:
+        return grad
+    _check_single(grad, result, hook)
+    if result.device != grad.device:
+        raise RuntimeError(
+            f"hook '{hook_name(hook)}' has changed the device of value "
+            f"(was {grad.device} got {result.device})"
+        )
+    return result

@@ -48,7 +48,7 @@ class OpaqueStep:
     """One call to :mod:`cagrad.runtime_ops` and the items read from its result."""
 
     node: torch.fx.Node
-    args: Any  # the node's args, with value names where the graph has nodes
+    args: Any  # the node's args, with value names (_Ref) where the graph has nodes
     items: list[tuple[int, str]]
     spec: Any
     resume: Any
@@ -80,6 +80,21 @@ def _names(arg: Any) -> Any:
         return arg.name
     if isinstance(arg, (list, tuple)):
         return [_names(a) for a in arg]
+    return arg
+
+
+class _Ref(str):
+    """An opaque call's argument that is a graph value (by name), as opposed
+    to a constant (a ``str`` constant, e.g. a hook name, stays itself)."""
+
+    __slots__ = ()
+
+
+def _refs(arg: Any) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        return _Ref(arg.name)
+    if isinstance(arg, (list, tuple)):
+        return [_refs(a) for a in arg]
     return arg
 
 
@@ -133,7 +148,7 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
             groups.append(
                 OpaqueStep(
                     node,
-                    _names(node.args),
+                    _refs(node.args),
                     sorted(items),
                     _spec_functions(node.meta.get("cagrad_spec"), to_value),
                     node.meta.get("cagrad_resume"),
@@ -238,7 +253,7 @@ def _concrete(spec: Any, sym_values: Sequence[int]) -> Any:
 
 
 def _materialize(arg: Any, env: dict[str, Any]) -> Any:
-    if isinstance(arg, str):
+    if isinstance(arg, _Ref):
         return env[arg]
     if isinstance(arg, list):
         return [_materialize(a, env) for a in arg]

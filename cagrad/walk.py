@@ -42,6 +42,7 @@ class Kind(enum.Enum):
     TRACED = "traced"  # its backward formula is traced into the graph
     OPAQUE = "opaque"  # a C++ node called as it is, at run time
     CUSTOM = "custom"  # a custom autograd.Function, called as PyNode would
+    AOT = "aot"  # a torch.compile'd forward's backward, its graph inlined
     ACCUMULATE = "accumulate"  # AccumulateGrad
 
 
@@ -138,6 +139,10 @@ class Executor(Protocol):
     def add(self, a: Any, b: Any, origin: str) -> Any: ...
 
     def apply_traced(self, pos: int, call: NodeCall, inputs: list) -> list: ...
+
+    def apply_aot(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
+        """An AOTAutograd backward, PyNode semantics and validation included."""
+        ...
 
     def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any) -> Any:
         """Runs or records ``runtime_ops.<op>(*args)``.
@@ -270,6 +275,8 @@ class BackwardWalk:
         if kind is Kind.TRACED:
             outs = self.ex.apply_traced(pos, call, inputs)
             return self.ex.validate(call.name, call.edges, outs, name)
+        if kind is Kind.AOT:
+            return self.ex.apply_aot(pos, call, plan, inputs)
         # opaque and custom nodes: run for real; the trace assumes a defined
         # gradient on every edge whose target runs
         expected = self._assume(
