@@ -5,6 +5,10 @@ Modules, one concept each:
 =================  ========================================================
 ``ir``             the program IR (leaves, ops, roots, backward mode), JSON
 ``ops``            the op catalog: arity, attributes, shape rule, torch impl
+``ops_custom``     ops applying custom ``autograd.Function`` s
+``ops_inplace``    in-place ops on views (and the rare ``mul_inplace``)
+``functions``      the custom ``autograd.Function`` s (standalone classes)
+``hooks``          registering a program's hooks; they record the trace
 ``strategies``     Hypothesis strategies for random valid programs
 ``interpret``      IR -> harness ``Program`` (deterministic leaf values)
 ``render``         IR -> plain torch source, for people
@@ -19,4 +23,18 @@ Importing the package is cheap; ``fuzz.ir`` and ``fuzz.ops`` need torch and
 Hypothesis only, the rest also ``harness``.
 """
 
-__all__ = ["campaign", "cli", "interpret", "ir", "ops", "oracle", "render", "reproducer", "strategies"]
+__all__ = [
+    "campaign",
+    "cli",
+    "functions",
+    "hooks",
+    "interpret",
+    "ir",
+    "ops",
+    "ops_custom",
+    "ops_inplace",
+    "oracle",
+    "render",
+    "reproducer",
+    "strategies",
+]

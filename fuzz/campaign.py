@@ -9,14 +9,15 @@ oracle:
 * no divergence: go on (a round ends after ``round_size`` programs);
 * a divergence already known: count it against its signature, go on. Known
   means the same ``(subject, device, status, kind)`` with a recorded shrunk
-  program whose op set is a subset of this program's ops;
+  program whose op set and hook kinds (``hook:<kind>.<action>``) are a
+  subset of this program's;
 * a new divergence: the body raises, and Hypothesis shrinks the program,
   keeping only candidates that still fail with the same
   ``(subject, device, status, kind)`` (only that subject runs while
   shrinking). The smallest failing candidate (:func:`fuzz.reduce.complexity`)
   is then reduced on the IR by :mod:`fuzz.reduce`, and recorded under the
-  signature ``subject@device status kind [op,...]`` with a reproducer; the
-  next round starts.
+  signature ``subject@device status kind [op,...,hook:kind.action,...]``
+  with a reproducer; the next round starts.
 
 The budget bounds generation; a shrink that started may run up to
 ``shrink_s`` longer (60% of it for Hypothesis, the rest for the IR pass). Everything is reproducible from ``--seed``: round ``r``
@@ -162,6 +163,7 @@ class Campaign:
             "open_round": None,
             "programs_run": 0,
             "op_counts": {},
+            "feature_counts": {},
             "build_errors": 0,
             "outcome_counts": {},
             "fallback_reasons": {},
@@ -204,10 +206,14 @@ class Campaign:
 
         ``schema`` (1), ``seed``, ``budget_s`` (this run's), ``elapsed_s``
         and ``programs_run`` (the whole campaign, resumed runs added up),
-        ``op_counts`` (op -> uses in the programs run), ``subjects``,
+        ``op_counts`` (op -> uses in the programs run), ``feature_counts``
+        (:meth:`fuzz.ir.Program.features` -> programs that had it: hook
+        kinds and actions, custom Functions, in-place ops, several roots,
+        ``autograd.grad``, ``inputs=``, retain_graph reruns), ``subjects``,
         ``devices``, ``failures`` (one per signature: ``id``, ``signature``,
         ``count`` of programs that hit it, ``subject``, ``device``,
-        ``status``, ``kind``, ``ops``, ``original_ops`` and ``shrunk_ops``,
+        ``status``, ``kind``, ``ops``, ``hooks`` (hook kinds and actions of
+        the shrunk program), ``original_ops`` and ``shrunk_ops``,
         ``reproducer`` and ``program_json`` as paths relative to ``OUT``,
         ``first_outcome``: the harness outcome of the shrunk program),
         ``build_errors`` (programs that failed under plain eager: fuzz
@@ -225,6 +231,7 @@ class Campaign:
                 "status": f["key"]["status"],
                 "kind": f["key"]["kind"],
                 "ops": f["ops"],
+                "hooks": f.get("hooks", []),
                 "original_ops": f["original_ops"],
                 "shrunk_ops": f["shrunk_ops"],
                 "reproducer": f["reproducer"],
@@ -240,6 +247,7 @@ class Campaign:
             "elapsed_s": round(s["elapsed_s"], 3),
             "programs_run": s["programs_run"],
             "op_counts": dict(sorted(s["op_counts"].items())),
+            "feature_counts": dict(sorted(s.get("feature_counts", {}).items())),
             "subjects": self.oracle.names if self.oracle else (self.cfg.subjects or []),
             "devices": self.oracle.devices if self.oracle else (self.cfg.devices or []),
             "failures": failures,
@@ -393,9 +401,9 @@ class Campaign:
             return Verdict(None, [key])
 
     def _covered(self, key: FailureKey, program: Program) -> dict[str, Any] | None:
-        ops = set(program.op_names())
+        have = set(program.op_names()) | set(program.hook_set())
         for f in self.state["failures"]:
-            if FailureKey.from_json(f["key"]) == key and set(f["ops"]) <= ops:
+            if FailureKey.from_json(f["key"]) == key and set(f["ops"]) | set(f.get("hooks", [])) <= have:
                 return f
         return None
 
@@ -422,6 +430,9 @@ class Campaign:
         self._session_programs += 1
         for name in program.op_names():
             s["op_counts"][name] = s["op_counts"].get(name, 0) + 1
+        features = s.setdefault("feature_counts", {})
+        for name in program.features():
+            features[name] = features.get(name, 0) + 1
         verdict = self._check(program)
         self._count_outcomes(verdict)
         if verdict.build_error is not None:
@@ -496,7 +507,8 @@ class Campaign:
         assert self._target and self._best and self._original and self.oracle
         key, best = self._target, self._best
         ops = list(best.op_set())
-        sig = signature(key, ops)
+        hooks = list(best.hook_set())
+        sig = signature(key, ops + hooks)
         for f in self.state["failures"]:
             if f["signature"] == sig:
                 f["count"] += 1
@@ -535,6 +547,7 @@ class Campaign:
                 "signature": sig,
                 "key": key.to_json(),
                 "ops": ops,
+                "hooks": hooks,
                 "count": 1,
                 "original_ops": len(self._original.ops),
                 "shrunk_ops": len(best.ops),

@@ -7,6 +7,7 @@
     python -m fuzz replay program.json --subjects 'cagrad[eager],torch_ca[eager]'
     python -m fuzz replay program.json --show      # as plain torch code
     python -m fuzz ops                             # the op catalog
+    python -m fuzz campaign --budget 60 --out o --ops 'fn_sin_scale,slice_mul_,sin' --no-hooks
 
 Exit status: 0 clean, 1 divergence found (campaign) or reproduced (replay),
 2 usage or I/O error, 3 internal error of the fuzzer, 130 campaign
@@ -70,7 +71,16 @@ def main() -> None:
 @click.option("--ops", "ops", help="Comma-separated op names to draw from (default: the whole catalog).")
 @click.option("--dtypes", default="float32,float64", show_default=True, help="Leaf dtypes to draw from.")
 @click.option("--modes", default="backward,grad", show_default=True, help="Backward entry points to use.")
-@click.option("--repeat/--no-repeat", default=False, show_default=True, help="Also run backward twice with retain_graph.")
+@click.option(
+    "--repeat/--no-repeat", default=True, show_default=True, help="Now and then run backward twice with retain_graph."
+)
+@click.option(
+    "--hooks/--no-hooks",
+    default=True,
+    show_default=True,
+    help="Register hooks (tensor, retain_grad, node pre/post, post-accumulate-grad) on most programs.",
+)
+@click.option("--max-hooks", type=click.IntRange(min=1), default=4, show_default=True, help="Hooks per program, at most.")
 @click.option(
     "--shrink-seconds",
     type=click.FloatRange(min=0),
@@ -94,6 +104,8 @@ def campaign(
     dtypes: str,
     modes: str,
     repeat: bool,
+    hooks: bool,
+    max_hooks: int,
     shrink_seconds: float,
     round_size: int,
     max_programs: int | None,
@@ -122,6 +134,8 @@ def campaign(
             modes=mode_list,
             ops=tuple(_split(ops) or ()) if ops else None,
             repeat=repeat,
+            hooks=hooks,
+            max_hooks=max_hooks,
         )
         gen.op_names()
     except ValueError as e:

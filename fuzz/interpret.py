@@ -5,6 +5,11 @@ seeded from ``(program.seed, leaf name)`` (uniform in [-1, 1], made in float64
 then cast, then moved to the device), so removing a leaf while shrinking does
 not change the others, and CPU and CUDA subjects start from the same numbers.
 ``grad_output``s of loss ``"separate"`` are drawn the same way.
+
+After the forward, the program's hooks are registered in order
+(:mod:`fuzz.hooks`); they record into ``ProgramRun.trace``, and the tensors
+``retain_grad()`` was called on are appended to ``ProgramRun.leaves`` so that
+the harness compares their ``.grad`` too.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 import torch
 
 from fuzz import ops as catalog
+from fuzz.hooks import register_hooks
 from fuzz.ir import Leaf, Program
 from harness.program import ProgramRun
 
@@ -53,6 +59,8 @@ def run_forward(program: Program, device: Any = "cpu") -> dict[str, torch.Tensor
 
 def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
     values = run_forward(program, device)
+    trace: list[Any] = []
+    retained = register_hooks(program.hooks, values, trace)
     roots = [values[ref] for ref in program.roots]
     if program.loss == "sum":
         total = roots[0].sum()
@@ -67,13 +75,15 @@ def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
             for i, r in enumerate(roots)
         ]
     return ProgramRun(
-        leaves=[values[leaf.name] for leaf in program.leaves],
+        # retained non-leaf .grads are compared like the leaves' (after them)
+        leaves=[values[leaf.name] for leaf in program.leaves] + retained,
         outputs=outputs,
         grad_outputs=grad_outputs,
         inputs=None if program.inputs is None else [values[ref] for ref in program.inputs],
         mode=program.mode,  # type: ignore[arg-type]
         retain_graph=program.retain_graph,
         repeat=program.repeat,
+        trace=trace,
     )
 
 
@@ -96,10 +106,15 @@ class IRProgram:
         return f"IRProgram({self.name!r}, {len(self.program.ops)} ops)"
 
 
-def eager_grads(program: Program, device: Any = "cpu") -> list[torch.Tensor | None]:
-    """The eager results the harness compares: leaf grads or autograd.grad's tuple."""
+def eager_grads(
+    program: Program, device: Any = "cpu", trace: list[Any] | None = None
+) -> list[torch.Tensor | None]:
+    """The eager results the harness compares: leaf grads (retained grads
+    after them) or autograd.grad's tuple; ``trace`` receives the hook events."""
     from harness.program import leaf_grads, run_backward
 
     run = build_run(program, device)
     result = run_backward(run)
+    if trace is not None:
+        trace.extend(run.trace)
     return list(result) if program.mode == "grad" else leaf_grads(run)

@@ -26,22 +26,32 @@ Program-level fields say how the backward runs (they map one to one onto
 * ``inputs``: values to differentiate with respect to (mode ``"grad"``), or
   the optional ``inputs=`` restriction of mode ``"backward"`` (leaves only);
 * ``retain_graph`` and ``repeat``: several backwards on one graph;
-* ``seed``: every leaf value and ``grad_output`` is derived from it.
+* ``seed``: every leaf value and ``grad_output`` is derived from it;
+* ``hooks``: autograd hooks registered after the forward, in list order
+  (:class:`Hook`): tensor hooks (``register_hook``) that observe, scale,
+  shift or zero the gradient, ``retain_grad()``, node pre- and post-hooks
+  on a value's ``grad_fn``, post-accumulate-grad hooks on leaves. Every hook
+  but ``retain_grad`` appends ``(label, value)`` to the run's trace, which
+  the harness compares with eager's; a retained ``.grad`` is compared like a
+  leaf's.
 
-JSON form (:meth:`Program.to_json`) carries ``"schema": SCHEMA_VERSION``;
-:meth:`Program.from_json` rejects other versions, unknown fields and anything
-:func:`validate` rejects, with an :class:`IRError` naming the place.
+JSON form (:meth:`Program.to_json`) carries ``"schema": SCHEMA_VERSION`` (2);
+:meth:`Program.from_json` also reads version 1 (no hooks), and rejects other
+versions, unknown fields and anything :func:`validate` rejects, with an
+:class:`IRError` naming the place (``hooks[2].target``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
 
 DTYPES = ("float32", "float64")
 MODES = ("backward", "grad")
@@ -99,14 +109,73 @@ class Op:
         return hash((self.name, self.op, self.inputs, json.dumps(_jsonable(self.attrs), sort_keys=True)))
 
 
+# hook kind -> the actions it takes (the first is the simplest)
+HOOK_KINDS: dict[str, tuple[str, ...]] = {
+    "tensor": ("observe", "scale", "shift", "zero"),
+    "retain_grad": ("observe",),
+    "pre": ("observe", "scale"),
+    "post": ("observe", "scale", "drop"),
+    "post_accumulate": ("observe",),
+}
+# actions that take an ``arg``: a number, or (drop) an index
+_ARG_ACTIONS = {"scale": "number", "shift": "number", "drop": "index"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """An autograd hook registered on value ``target`` after the forward.
+
+    ``kind``:
+
+    * ``"tensor"``: ``target.register_hook(fn)``; ``fn(g)`` records ``g`` and
+      returns None (``observe``), ``g * arg`` (``scale``), ``g + arg``
+      (``shift``) or ``torch.zeros_like(g)`` (``zero``);
+    * ``"retain_grad"``: ``target.retain_grad()`` on a non-leaf; its
+      ``.grad`` is compared after the backward like a leaf's;
+    * ``"pre"``: ``target.grad_fn.register_prehook(fn)``; ``fn(grad_outputs)``
+      records them, returns None or (``scale``) each times ``arg``;
+    * ``"post"``: ``target.grad_fn.register_hook(fn)``; ``fn(grad_inputs,
+      grad_outputs)`` records both, returns None, each grad input times
+      ``arg`` (``scale``), or the grad inputs with entry ``arg % len`` set to
+      None (``drop``);
+    * ``"post_accumulate"``: ``leaf.register_post_accumulate_grad_hook(fn)``;
+      ``fn(p)`` records ``p.grad``.
+
+    The trace label is :attr:`label` (``"h0 tensor v3"``), never an id.
+    """
+
+    name: str
+    kind: str
+    target: str
+    action: str = "observe"
+    arg: float | int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.kind} {self.target}"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "kind": self.kind, "target": self.target, "action": self.action}
+        if self.arg is not None:
+            out["arg"] = self.arg
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ValueInfo:
-    """What shape inference knows about one value."""
+    """What shape inference knows about one value.
+
+    ``is_leaf``: the tensor is a leaf (a leaf itself, or an op that returned
+    a leaf unchanged, like ``x.to(x.dtype)``); ``fresh``: a newly allocated
+    tensor that is not a view of anything (in-place ops may write to it).
+    """
 
     ref: str
     shape: Shape
     dtype: str
     requires_grad: bool
+    is_leaf: bool = False
+    fresh: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +190,7 @@ class Program:
     repeat: int = 1
     seed: int = 0
     name: str = ""
+    hooks: tuple[Hook, ...] = ()
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +206,7 @@ class Program:
             "inputs": None if self.inputs is None else list(self.inputs),
             "retain_graph": self.retain_graph,
             "repeat": self.repeat,
+            "hooks": [hook.to_dict() for hook in self.hooks],
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -162,6 +233,30 @@ class Program:
     def op_set(self) -> tuple[str, ...]:
         return tuple(sorted(set(self.op_names())))
 
+    def hook_set(self) -> tuple[str, ...]:
+        """``hook:<kind>.<action>`` of every hook, sorted, once each."""
+        return tuple(sorted({f"hook:{h.kind}.{h.action}" for h in self.hooks}))
+
+    def features(self) -> list[str]:
+        """What a program exercises beyond its ops, for campaign statistics:
+        hook kinds and actions, op families, and the backward's options."""
+        from fuzz import ops as catalog
+
+        out = list(self.hook_set())
+        categories = {catalog.OPS[name].category for name in self.op_names() if name in catalog.OPS}
+        out += [f"ops:{c}" for c in ("custom", "inplace_view", "inplace") if c in categories]
+        if len(self.roots) > 1:
+            out.append("roots:several")
+        if self.mode == "grad":
+            out.append("mode:grad")
+        elif self.inputs is not None:
+            out.append("backward:inputs=")
+        if self.loss == "separate":
+            out.append("loss:separate")
+        if self.repeat > 1:
+            out.append("repeat:retain_graph")
+        return out
+
     def size_key(self) -> tuple[int, int, int, int]:
         """Ops, leaves, total leaf elements, JSON length (see also
         :func:`fuzz.reduce.complexity`)."""
@@ -178,7 +273,8 @@ class Program:
         return validate(self)
 
     def pruned(self) -> Program:
-        """Drops ops and leaves that no root or input depends on."""
+        """Drops ops and leaves that no root or input depends on, and the
+        hooks on values that are dropped."""
         needed: set[str] = set()
         for ref in list(self.roots) + list(self.inputs or ()):
             needed.add(base_name(ref))
@@ -188,7 +284,23 @@ class Program:
                 kept.append(op)
                 needed.update(base_name(r) for r in op.inputs)
         leaves = tuple(leaf for leaf in self.leaves if leaf.name in needed)
-        return dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)))
+        hooks = tuple(h for h in self.hooks if base_name(h.target) in needed)
+        return dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks)
+
+    def without_invalid_hooks(self) -> Program:
+        """Drops the hooks :func:`validate` would reject (after an edit that
+        turned a hooked op output into a leaf, say); the rest must be valid."""
+        values = validate(dataclasses.replace(self, hooks=()))
+        keep = []
+        for i, hook in enumerate(self.hooks):
+            try:
+                check_hook(hook, f"hooks[{i}]", values)
+            except IRError:
+                continue
+            keep.append(hook)
+        names = [h.name for h in keep]
+        keep = [h for j, h in enumerate(keep) if h.name not in names[:j]]
+        return dataclasses.replace(self, hooks=tuple(keep))
 
     def with_name(self, name: str) -> Program:
         return dataclasses.replace(self, name=name)
@@ -205,13 +317,15 @@ def base_name(ref: str) -> str:
 
 
 # ---------------------------------------------------------------- parsing
-_PROGRAM_FIELDS = {
+_PROGRAM_FIELDS_V1 = {
     "schema", "name", "seed", "leaves", "ops", "roots", "loss", "mode",
     "inputs", "retain_graph", "repeat",
 }
+_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks"}}
 _REQUIRED_FIELDS = {"schema", "leaves", "ops", "roots"}
 _LEAF_FIELDS = {"name", "shape", "dtype", "requires_grad"}
 _OP_FIELDS = {"name", "op", "inputs", "attrs"}
+_HOOK_FIELDS = {"name", "kind", "target", "action", "arg"}
 
 
 def _expect(cond: bool, where: str, message: str) -> None:
@@ -232,13 +346,14 @@ def _check_fields(obj: Any, where: str, allowed: set[str], required: set[str]) -
 
 
 def _parse_program(data: Any) -> Program:
-    _check_fields(data, "program", _PROGRAM_FIELDS, _REQUIRED_FIELDS)
-    schema = data["schema"]
+    _expect(isinstance(data, dict), "program", f"expected an object, got {type(data).__name__}")
+    schema = data.get("schema")
     _expect(
-        schema == SCHEMA_VERSION,
+        "schema" not in data or (_is_int(schema) and schema in READABLE_SCHEMAS),
         "schema",
-        f"unsupported schema version {schema!r} (this fuzz reads {SCHEMA_VERSION})",
+        f"unsupported schema version {schema!r} (this fuzz reads {list(READABLE_SCHEMAS)})",
     )
+    _check_fields(data, "program", _PROGRAM_FIELDS.get(schema, _PROGRAM_FIELDS[SCHEMA_VERSION]), _REQUIRED_FIELDS)
     leaves_raw = data["leaves"]
     _expect(isinstance(leaves_raw, list), "leaves", "expected a list")
     leaves = []
@@ -269,7 +384,15 @@ def _parse_program(data: Any) -> Program:
     _expect(isinstance(roots, list), "roots", f"expected a list, got {roots!r}")
     inputs = data.get("inputs")
     _expect(inputs is None or isinstance(inputs, list), "inputs", f"expected a list or null, got {inputs!r}")
+    hooks_raw = data.get("hooks", [])
+    _expect(isinstance(hooks_raw, list), "hooks", f"expected a list, got {hooks_raw!r}")
+    hooks = []
+    for i, raw in enumerate(hooks_raw):
+        where = f"hooks[{i}]"
+        _check_fields(raw, where, _HOOK_FIELDS, {"name", "kind", "target"})
+        hooks.append(Hook(raw["name"], raw["kind"], raw["target"], raw.get("action", "observe"), raw.get("arg")))
     return Program(
+        hooks=tuple(hooks),
         leaves=tuple(leaves),
         ops=tuple(ops),
         roots=tuple(roots),
@@ -333,7 +456,7 @@ def validate(program: Program) -> dict[str, ValueInfo]:
             f"expected non-negative ints, got {list(leaf.shape)!r}",
         )
         _expect(isinstance(leaf.requires_grad, bool), f"{where}.requires_grad", "expected a bool")
-        values[leaf.name] = ValueInfo(leaf.name, leaf.shape, leaf.dtype, leaf.requires_grad)
+        values[leaf.name] = ValueInfo(leaf.name, leaf.shape, leaf.dtype, leaf.requires_grad, is_leaf=True)
 
     def resolve(ref: Any, where: str) -> ValueInfo:
         _expect(isinstance(ref, str), where, f"expected a value reference (string), got {ref!r}")
@@ -367,8 +490,7 @@ def validate(program: Program) -> dict[str, ValueInfo]:
         infos = [resolve(ref, f"{where}.inputs[{j}]") for j, ref in enumerate(op.inputs)]
         try:
             catalog.check_attrs(spec, op.attrs)
-            out_shapes = spec.infer([info.shape for info in infos], op.attrs)
-            out_dtype = spec.out_dtype([info.dtype for info in infos], op.attrs, [info.shape for info in infos])
+            outs = infer_outputs(spec, op.name, op.attrs, infos)
         except catalog.AttrError as e:
             raise IRError(f"{where}.attrs" + (f".{e.attr}" if e.attr else ""), f"{op.op}: {e}") from None
         except catalog.DTypeError as e:
@@ -377,16 +499,23 @@ def validate(program: Program) -> dict[str, ValueInfo]:
         except catalog.ShapeError as e:
             shapes = ", ".join(str(list(info.shape)) for info in infos)
             raise IRError(where, f"{op.op}: shape mismatch: {e} (input shapes {shapes})") from None
-        rg = spec.differentiable and any(
-            info.requires_grad for j, info in enumerate(infos) if j not in spec.nondiff_inputs
-        )
+        if spec.inplace_first:
+            _expect(
+                infos[0].fresh and infos[0].requires_grad and not infos[0].is_leaf,
+                f"{where}.inputs[0]",
+                f"{op.op} writes into its first input in place: {infos[0].ref!r} must be a fresh (non-view) "
+                "op output that requires grad, not a leaf or a view",
+            )
+            for j, info in enumerate(infos[1:], 1):
+                _expect(
+                    info.fresh or info.is_leaf,
+                    f"{where}.inputs[{j}]",
+                    f"{op.op}: {info.ref!r} may be a view overlapping the written tensor; use a fresh value or a leaf",
+                )
         if spec.multi_output:
-            multi[op.name] = len(out_shapes)
-            for k, shape in enumerate(out_shapes):
-                ref = f"{op.name}:{k}"
-                values[ref] = ValueInfo(ref, shape, out_dtype, rg)
-        else:
-            values[op.name] = ValueInfo(op.name, out_shapes[0], out_dtype, rg)
+            multi[op.name] = len(outs)
+        for info in outs:
+            values[info.ref] = info
 
     _expect(len(program.roots) >= 1, "roots", "at least one root is needed")
     for j, ref in enumerate(program.roots):
@@ -410,7 +539,92 @@ def validate(program: Program) -> dict[str, ValueInfo]:
                     f"mode 'backward' restricts inputs= to leaves; {ref!r} is not a leaf",
                 )
         _expect(len(set(program.inputs)) == len(program.inputs), "inputs", "duplicate entries")
+    _expect(isinstance(program.hooks, tuple), "hooks", "expected a list of hooks")
+    hook_names: set[str] = set()
+    for i, hook in enumerate(program.hooks):
+        where = f"hooks[{i}]"
+        _expect(isinstance(hook, Hook), where, f"expected a hook, got {hook!r}")
+        _expect(
+            isinstance(hook.name, str) and bool(_NAME_RE.match(hook.name)),
+            f"{where}.name",
+            f"invalid name {hook.name!r} (expected an identifier)",
+        )
+        _expect(hook.name not in hook_names, f"{where}.name", f"duplicate hook name {hook.name!r}")
+        _expect(hook.name not in names, f"{where}.name", f"hook name {hook.name!r} is also a value's name")
+        hook_names.add(hook.name)
+        check_hook(hook, where, values, resolve)
     return values
+
+
+def check_hook(hook: Hook, where: str, values: Mapping[str, ValueInfo], resolve: Any = None) -> None:
+    """Raises :class:`IRError` (naming ``where.<field>``) unless ``hook`` is
+    valid on the program whose values are ``values``."""
+    _expect(
+        hook.kind in HOOK_KINDS,
+        f"{where}.kind",
+        f"unknown hook kind {hook.kind!r}; expected one of {list(HOOK_KINDS)}",
+    )
+    actions = HOOK_KINDS[hook.kind]
+    _expect(
+        hook.action in actions,
+        f"{where}.action",
+        f"a {hook.kind} hook does not take action {hook.action!r}; expected one of {list(actions)}",
+    )
+    need = _ARG_ACTIONS.get(hook.action)
+    arg = hook.arg
+    if need is None:
+        _expect(arg is None, f"{where}.arg", f"action {hook.action!r} takes no arg, got {arg!r}")
+    elif need == "number":
+        ok = (_is_int(arg) or isinstance(arg, float)) and math.isfinite(arg)
+        _expect(ok, f"{where}.arg", f"action {hook.action!r} needs a finite number, got {arg!r}")
+    else:
+        _expect(_is_int(arg) and arg >= 0, f"{where}.arg", f"action {hook.action!r} needs an int >= 0, got {arg!r}")
+    if resolve is not None:
+        info = resolve(hook.target, f"{where}.target")
+    else:
+        _expect(
+            isinstance(hook.target, str) and hook.target in values,
+            f"{where}.target",
+            f"unknown value {hook.target!r}",
+        )
+        info = values[hook.target]
+    _expect(
+        info.requires_grad,
+        f"{where}.target",
+        f"{hook.target!r} does not require grad; a {hook.kind} hook cannot be registered on it",
+    )
+    if hook.kind in ("retain_grad", "pre", "post"):
+        _expect(
+            not info.is_leaf,
+            f"{where}.target",
+            f"a {hook.kind} hook needs a non-leaf value (one with a grad_fn); {hook.target!r} is a leaf",
+        )
+    if hook.kind == "post_accumulate":
+        _expect(
+            info.is_leaf,
+            f"{where}.target",
+            f"a post_accumulate hook needs a leaf; {hook.target!r} is not one",
+        )
+
+
+def infer_outputs(spec: Any, name: str, attrs: Mapping[str, Any], infos: Sequence[ValueInfo]) -> list[ValueInfo]:
+    """The :class:`ValueInfo` of every output of op ``name`` (a ``spec`` from
+    :mod:`fuzz.ops`) on inputs ``infos``; raises the catalog's ``SpecError`` s."""
+    shapes = [info.shape for info in infos]
+    dtypes = [info.dtype for info in infos]
+    out_shapes = spec.infer(shapes, attrs)
+    out_dtype = spec.out_dtype(dtypes, attrs, shapes)
+    rg = spec.differentiable and any(info.requires_grad for j, info in enumerate(infos) if j not in spec.nondiff_inputs)
+    if spec.is_identity(shapes, dtypes, attrs):
+        first = infos[0]
+        return [ValueInfo(name, tuple(out_shapes[0]), out_dtype, rg, is_leaf=first.is_leaf, fresh=first.fresh)]
+    fresh = spec.is_fresh(attrs)
+    if spec.multi_output:
+        return [
+            ValueInfo(f"{name}:{k}", tuple(shape), out_dtype, rg, is_leaf=not rg, fresh=fresh)
+            for k, shape in enumerate(out_shapes)
+        ]
+    return [ValueInfo(name, tuple(out_shapes[0]), out_dtype, rg, is_leaf=not rg, fresh=fresh)]
 
 
 def _jsonable(x: Any) -> Any:
@@ -423,16 +637,21 @@ def _jsonable(x: Any) -> Any:
 
 __all__ = [
     "DTYPES",
+    "HOOK_KINDS",
+    "Hook",
     "IRError",
     "Leaf",
     "LOSSES",
     "MODES",
     "Op",
     "Program",
+    "READABLE_SCHEMAS",
     "SCHEMA_VERSION",
     "Shape",
     "ValueInfo",
     "base_name",
+    "check_hook",
+    "infer_outputs",
     "validate",
 ]
 

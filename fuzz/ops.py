@@ -19,9 +19,14 @@ stay meaningful: ``log`` is ``log1p(|x|)``, ``sqrt`` is ``sqrt(|x| + 1)``,
 ``reciprocal`` is ``1 / (|x| + 1)``, ``div`` is ``x / (|y| + 1)``, ``exp``
 clamps its input to [-10, 10] and ``pow`` takes small integer exponents.
 
-New ops (hooks, custom ``autograd.Function``s, in-place ops on views) are added
-with :func:`register`; the IR, the strategies and the interpreter only go
-through this table.
+New ops are added with :func:`register`; the IR, the strategies and the
+interpreter only go through this table. Two families live in modules of
+their own: :mod:`fuzz.ops_custom` (custom ``autograd.Function`` s from
+:mod:`fuzz.functions`, category ``custom``) and :mod:`fuzz.ops_inplace`
+(in-place ops on views of a fresh copy, category ``inplace_view``, and the
+rare ``mul_inplace`` that writes into an earlier value, category
+``inplace``). Hooks are not ops: they are a program-level list (see
+:mod:`fuzz.ir`).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class AttrError(SpecError):
 
 
 # ------------------------------------------------------------ attributes
-ATTR_KINDS = ("int", "float", "bool", "dim", "dims", "opt_dims", "opt_dim", "shape", "dtype", "ints")
+ATTR_KINDS = ("int", "float", "bool", "dim", "dims", "opt_dims", "opt_dim", "shape", "dtype", "ints", "str")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,8 @@ class Attr:
 
     ``dim``: an int; ``opt_dim``: int or null; ``dims``: a non-empty list of
     distinct ints or an int; ``opt_dims``: the same or null (all dims);
-    ``shape``/``ints``: a list of ints; ``dtype``: "float32" or "float64".
+    ``shape``/``ints``: a list of ints; ``dtype``: "float32" or "float64";
+    ``str``: a string (usually with ``choices``).
     """
 
     kind: str
@@ -109,6 +115,8 @@ def _check_value(kind: str, value: Any) -> str | None:
         return None if ok else "expected a list of ints"
     if kind == "dtype":
         return None if value in TORCH_DTYPES else f"expected one of {sorted(TORCH_DTYPES)}"
+    if kind == "str":
+        return None if isinstance(value, str) else "expected a string"
     return f"unknown attribute kind {kind!r}"  # pragma: no cover - catalog bug
 
 
@@ -155,6 +163,25 @@ class OpSpec:
     differentiable: bool = True
     nondiff_inputs: frozenset[int] = frozenset()
     doc: str = ""
+    # When the op returns its first input itself (``x.to(x.dtype)``,
+    # ``flatten(x, d, d)``, an in-place op on ``x``): ``identity(shapes,
+    # dtypes, attrs)``. The output then is a leaf exactly when the input is.
+    identity: Callable[[Sequence[Shape], Sequence[str], Mapping[str, Any]], bool] | None = None
+    # Whether the output is a newly allocated tensor that aliases nothing
+    # (``fresh``): only those may be modified in place by an
+    # ``inplace_first`` op. Views and split outputs never are.
+    fresh_output: Callable[[Mapping[str, Any]], bool] | bool = True
+    # The op modifies its first input in place: that input must be fresh and
+    # require grad (so no leaf and no view of one is ever written to).
+    inplace_first: bool = False
+    # Generated about a quarter as often as the others.
+    rare: bool = False
+    # Several statements instead of one expression, for readable
+    # reproducers: ``stmts(out_name, args, attrs) -> [line, ...]``; the
+    # lines must bind ``out_name``.
+    stmts: Callable[[str, Sequence[str], Mapping[str, Any]], list[str]] | None = None
+    # Names of the fuzz.functions classes the rendered code uses.
+    functions: tuple[str, ...] = ()
 
     def arity_text(self) -> str:
         if self.min_arity == self.max_arity:
@@ -167,6 +194,8 @@ class OpSpec:
         float32)."""
         if self.dtype_rule == "attr":
             return attrs["dtype"]
+        if self.dtype_rule == "first":  # in-place ops: the written tensor's dtype
+            return dtypes[0]
         idx = [j for j in range(len(dtypes)) if j not in self.nondiff_inputs] or list(range(len(dtypes)))
         if self.dtype_rule == "same":
             considered = [dtypes[j] for j in idx]
@@ -179,6 +208,20 @@ class OpSpec:
 
     def run(self, tensors: Sequence[torch.Tensor], attrs: Mapping[str, Any]) -> Any:
         return self.impl(tensors, attrs)
+
+    def is_identity(self, shapes: Sequence[Shape], dtypes: Sequence[str], attrs: Mapping[str, Any]) -> bool:
+        return self.identity is not None and bool(self.identity(shapes, dtypes, attrs))
+
+    def is_fresh(self, attrs: Mapping[str, Any]) -> bool:
+        if self.category in ("view", "split"):
+            return False
+        return bool(self.fresh_output(attrs)) if callable(self.fresh_output) else bool(self.fresh_output)
+
+    def statements(self, out: str, args: Sequence[str], attrs: Mapping[str, Any]) -> list[str]:
+        """The op as code binding ``out`` (one line unless ``stmts`` is set)."""
+        if self.stmts is not None:
+            return self.stmts(out, args, attrs)
+        return [f"{out} = {self.code(args, attrs)}"]
 
 
 OPS: dict[str, OpSpec] = {}
@@ -330,6 +373,25 @@ def draw_broadcast_partner(draw: DrawFn, shape: Shape) -> Shape:
     return tuple(out)
 
 
+def draw_into_partner(draw: DrawFn, shape: Shape) -> Shape:
+    """A shape that broadcasts *into* ``shape`` without growing it (each dim
+    its size or 1, maybe fewer leading dims); simplest: ``shape`` itself."""
+    out = [d if d == 1 else draw(st.sampled_from([d, 1])) for d in shape]
+    if out and draw(st.booleans()):
+        out = out[draw(st.integers(1, len(out))) :]
+    return tuple(out)
+
+
+def check_into(target: Shape, other: Shape, what: str = "operand") -> None:
+    """Raises :class:`ShapeError` unless ``other`` broadcasts into ``target``."""
+    try:
+        ok = len(other) <= len(target) and broadcast(target, other) == tuple(target)
+    except ShapeError:
+        ok = False
+    if not ok:
+        raise ShapeError(f"{what} of shape {list(other)} does not broadcast into {list(target)}")
+
+
 def _dims_attr(draw: DrawFn, rank: int, *, allow_none: bool = True) -> Any:
     """None (all dims), one dim, or a list of distinct dims."""
     if rank == 0:
@@ -464,6 +526,8 @@ register(
         attrs={"dtype": Attr("dtype")},
         plan=lambda draw, s: ([], {"dtype": draw(st.sampled_from(sorted(TORCH_DTYPES)))}),
         dtype_rule="attr",
+        identity=lambda shapes, dtypes, a: dtypes[0] == a["dtype"],
+        doc="x.to(dtype) returns x itself when the dtype is already dtype",
     )
 )
 
@@ -973,6 +1037,9 @@ register(
         attrs={"start_dim": Attr("dim"), "end_dim": Attr("dim")},
         accepts=_rank_at_least(1),
         plan=_flatten_plan,
+        identity=lambda shapes, dtypes, a: norm_dim(a["start_dim"], len(shapes[0]))
+        == norm_dim(a["end_dim"], len(shapes[0])),
+        doc="flatten(x, d, d) returns x itself",
     )
 )
 
@@ -1175,6 +1242,12 @@ register(
         multi_output=True,
     )
 )
+
+
+# custom autograd.Functions and in-place ops on views live in modules of
+# their own; importing them registers their ops here.
+from fuzz import ops_custom as _ops_custom  # noqa: E402,F401
+from fuzz import ops_inplace as _ops_inplace  # noqa: E402,F401
 
 
 def names() -> list[str]:

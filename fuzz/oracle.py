@@ -5,7 +5,8 @@ program through :func:`harness.run_differential`, reducing the report to
 :class:`FailureKey` s: ``(subject, device, status, kind)`` where ``kind`` is
 the exception type of an ``error`` outcome, or for a ``mismatch`` what
 differs (:func:`mismatch_kind`: ``value``, ``meta``, ``trace`` or
-``unexpected-success``). A failure's *signature* adds the sorted op set of its shrunk program.
+``unexpected-success``). A failure's *signature* adds the sorted op set of
+its shrunk program and its hook kinds (``hook:<kind>.<action>``).
 
 Subjects are harness subject names (``"cagrad[aot_eager]"``) or *plugins*:
 ``"path/to/file.py:NAME"`` or ``"package.module:NAME"``, where ``NAME`` is a

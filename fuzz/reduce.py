@@ -14,9 +14,15 @@ fails and is smaller by :func:`complexity`:
   and dtype instead;
 * simplify the backward: mode ``"grad"`` -> ``"backward"``, loss
   ``"separate"`` -> ``"sum"``, no ``inputs=``, ``repeat`` 1;
-* ``float64`` leaves -> ``float32``.
+* ``float64`` leaves -> ``float32``;
+* drop a hook; make a hook that changes gradients only observe them;
+* replace an op by ``clone`` of its first input (same shape and dtype), so
+  that failures that need *a* node there, not that op, shrink to one
+  signature.
 
-Every candidate is validated and pruned before it is tried.
+Edits that turn a hooked op output into a leaf drop the hooks that a leaf
+cannot take (node hooks, ``retain_grad``). Every candidate is validated and
+pruned before it is tried.
 """
 
 from __future__ import annotations
@@ -29,13 +35,17 @@ from fuzz.ir import IRError, Leaf, Op, Program, validate
 
 
 def complexity(p: Program) -> tuple[int, ...]:
-    """Smaller is simpler: ops, leaves, elements, roots, then the backward's
-    options, then float64 leaves, then the JSON's length."""
+    """Smaller is simpler: ops, leaves, elements, hooks, hooks that change
+    gradients, ops other than ``clone``, roots, then the backward's options,
+    then float64 leaves, then the JSON's length."""
     ops, leaves, numel, json_len = p.size_key()
     return (
         ops,
         leaves,
         numel,
+        len(p.hooks),
+        sum(h.action != "observe" for h in p.hooks),
+        sum(op.op != "clone" for op in p.ops),
         len(p.roots),
         int(p.mode == "grad"),
         int(p.loss == "separate"),
@@ -61,12 +71,20 @@ def _replace_refs(p: Program, mapping: dict[str, str], drop_op: str | None) -> P
     ops = tuple(
         dataclasses.replace(op, inputs=tuple(sub(r) for r in op.inputs)) for op in p.ops if op.name != drop_op
     )
-    return dataclasses.replace(
+    hooks = tuple(dataclasses.replace(h, target=sub(h.target)) for h in p.hooks)
+    q = dataclasses.replace(
         p,
         ops=ops,
         roots=tuple(dict.fromkeys(sub(r) for r in p.roots)),
         inputs=None if p.inputs is None else tuple(dict.fromkeys(sub(r) for r in p.inputs)),
+        hooks=hooks,
     )
+    if not hooks:
+        return q
+    try:
+        return q.without_invalid_hooks()
+    except IRError:
+        return q  # invalid for another reason: the caller's validate() says so
 
 
 def _cut(p: Program, op: Op) -> Program:
@@ -105,7 +123,23 @@ def _reroots(p: Program, op: Op) -> Iterator[Program]:
     for ref in dict.fromkeys(op.inputs):
         if info[ref].requires_grad:
             roots = [r for r in p.roots if r not in outs]
-            yield dataclasses.replace(p, ops=tuple(o for o in p.ops if o.name != op.name), roots=tuple(dict.fromkeys([ref] + roots)))
+            q = dataclasses.replace(
+                p, ops=tuple(o for o in p.ops if o.name != op.name), roots=tuple(dict.fromkeys([ref] + roots))
+            )
+            yield q.pruned()
+
+
+def _clones(p: Program, op: Op) -> Iterator[Program]:
+    """``op`` becomes ``clone(first input)`` when that keeps shape and dtype."""
+    if op.op == "clone" or not op.inputs:
+        return
+    info = validate(p)
+    if op.name not in info:  # multi-output ops stay
+        return
+    src, out = info[op.inputs[0]], info[op.name]
+    if src.shape == out.shape and src.dtype == out.dtype:
+        ops = tuple(dataclasses.replace(o, op="clone", inputs=o.inputs[:1], attrs={}) if o is op else o for o in p.ops)
+        yield dataclasses.replace(p, ops=ops)
 
 
 def candidates(p: Program) -> Iterator[Program]:
@@ -113,12 +147,16 @@ def candidates(p: Program) -> Iterator[Program]:
     for i in range(len(p.roots)):
         if len(p.roots) > 1:
             yield dataclasses.replace(p, roots=p.roots[:i] + p.roots[i + 1 :])
+    for i in range(len(p.hooks)):
+        yield dataclasses.replace(p, hooks=p.hooks[:i] + p.hooks[i + 1 :])
     for op in reversed(p.ops):
         yield _cut(p, op)
     for op in reversed(p.ops):
         yield from _reroots(p, op)
     for op in reversed(p.ops):
         yield from _bypasses(p, op)
+    for op in reversed(p.ops):
+        yield from _clones(p, op)
     if p.mode == "grad":
         yield dataclasses.replace(p, mode="backward", inputs=None)
     if p.loss == "separate":
@@ -127,6 +165,11 @@ def candidates(p: Program) -> Iterator[Program]:
         yield dataclasses.replace(p, inputs=None)
     if p.repeat != 1:
         yield dataclasses.replace(p, repeat=1, retain_graph=None)
+    for i, hook in enumerate(p.hooks):
+        if hook.action != "observe":
+            hooks = list(p.hooks)
+            hooks[i] = dataclasses.replace(hook, action="observe", arg=None)
+            yield dataclasses.replace(p, hooks=tuple(hooks))
     for j, leaf in enumerate(p.leaves):
         if leaf.dtype == "float64":
             leaves = list(p.leaves)

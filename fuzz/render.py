@@ -1,16 +1,23 @@
 """Renders an IR program as plain, runnable torch code for people to read.
 
 The code makes the same leaves as :mod:`fuzz.interpret` (same seeds, same
-order of casts) and runs the same backward, so a reader can paste it into a
-bug report without the fuzz package. ``run(device)`` returns what the harness
-compares: the leaf ``.grad``s, or the tuple from ``torch.autograd.grad``.
+order of casts), registers the same hooks (:mod:`fuzz.hooks`, written out as
+small functions) and runs the same backward, so a reader can paste it into a
+bug report without the fuzz package: the custom ``autograd.Function`` s it
+uses are copied in from :mod:`fuzz.functions`. ``run(device, trace=None)``
+returns what the harness compares: the leaf ``.grad`` s (then the retained
+non-leaf ``.grad`` s), or the tuple from ``torch.autograd.grad``; hook events
+are appended to ``trace`` when a list is given.
 """
 
 from __future__ import annotations
 
+import inspect
+
+from fuzz import functions
 from fuzz import ops as catalog
 from fuzz.interpret import derived_seed
-from fuzz.ir import Program
+from fuzz.ir import Hook, Program
 
 
 def ref_expr(ref: str) -> str:
@@ -25,15 +32,81 @@ def _uniform(seed: int, key: str, shape: str, dtype: str) -> str:
     )
 
 
+def _function_sources(program: Program) -> list[str]:
+    names: list[str] = []
+    for op in program.ops:
+        for name in catalog.get(op.op).functions:
+            if name not in names:
+                names.append(name)
+    return [inspect.getsource(functions.FUNCTIONS[name]) for name in names]
+
+
+_COPY = "None if {0} is None else {0}.detach().clone()"
+
+
+def _hook_lines(hook: Hook) -> list[str]:
+    """A hook function named after the hook, then its registration."""
+    name, label, target = hook.name, repr(hook.label), ref_expr(hook.target)
+    if hook.kind == "retain_grad":
+        return [f"{target}.retain_grad()", f"retained.append({target})"]
+    if hook.kind == "tensor":
+        body = [f"trace.append(({label}, {_COPY.format('g')}))"]
+        if hook.action == "scale":
+            body.append(f"return None if g is None else g * {hook.arg!r}")
+        elif hook.action == "shift":
+            body.append(f"return None if g is None else g + {hook.arg!r}")
+        elif hook.action == "zero":
+            body.append("return None if g is None else torch.zeros_like(g)")
+        return [f"def {name}(g):", *("    " + b for b in body), f"{target}.register_hook({name})"]
+    if hook.kind == "pre":
+        body = [f"trace.append(({label}, tuple({_COPY.format('g')} for g in grad_outputs)))"]
+        if hook.action == "scale":
+            body.append(f"return tuple(None if g is None else g * {hook.arg!r} for g in grad_outputs)")
+        return [f"def {name}(grad_outputs):", *("    " + b for b in body), f"{target}.grad_fn.register_prehook({name})"]
+    if hook.kind == "post":
+        body = [
+            f"trace.append(({label}, (tuple({_COPY.format('g')} for g in grad_inputs), "
+            f"tuple({_COPY.format('g')} for g in grad_outputs))))"
+        ]
+        if hook.action == "scale":
+            body.append("if grad_inputs:")
+            body.append(f"    return tuple(None if g is None else g * {hook.arg!r} for g in grad_inputs)")
+        elif hook.action == "drop":
+            body.append("if grad_inputs:  # one grad input becomes None")
+            body.append(
+                f"    return tuple(None if i == {hook.arg!r} % len(grad_inputs) else g for i, g in enumerate(grad_inputs))"
+            )
+        return [f"def {name}(grad_inputs, grad_outputs):", *("    " + b for b in body), f"{target}.grad_fn.register_hook({name})"]
+    if hook.kind == "post_accumulate":
+        return [
+            f"def {name}(p):",
+            f"    trace.append(({label}, {_COPY.format('p.grad')}))",
+            f"{target}.register_post_accumulate_grad_hook({name})",
+        ]
+    raise ValueError(f"unknown hook kind {hook.kind!r}")  # pragma: no cover - validate() rejects it
+
+
 def render_source(program: Program) -> str:
-    lines = ["import torch", "", "", "def run(device='cpu'):"]
+    lines = ["import torch"]
+    sources = _function_sources(program)
+    if any("once_differentiable" in src for src in sources):
+        lines.append("from torch.autograd.function import once_differentiable")
+    for src in sources:
+        lines.extend(["", "", src.rstrip("\n")])
+    lines.extend(["", "", "def run(device='cpu', trace=None):"])
     body = []
     for leaf in program.leaves:
         expr = _uniform(program.seed, leaf.name, repr(tuple(leaf.shape)), f"torch.{leaf.dtype}")
         body.append(f"{leaf.name} = {expr}.requires_grad_({leaf.requires_grad})")
     for op in program.ops:
         spec = catalog.get(op.op)
-        body.append(f"{op.name} = {spec.code([ref_expr(r) for r in op.inputs], op.attrs)}")
+        body.extend(spec.statements(op.name, [ref_expr(r) for r in op.inputs], op.attrs))
+    if program.hooks:
+        body.append("trace = [] if trace is None else trace")
+        if any(h.kind == "retain_grad" for h in program.hooks):
+            body.append("retained = []")
+        for hook in program.hooks:
+            body.extend(_hook_lines(hook))
     roots = [ref_expr(r) for r in program.roots]
     if program.loss == "sum":
         body.append(f"outputs = [{' + '.join(f'{r}.sum()' for r in roots)}]")
@@ -50,6 +123,8 @@ def render_source(program: Program) -> str:
         body.append("]")
     inputs = None if program.inputs is None else "[" + ", ".join(ref_expr(r) for r in program.inputs) + "]"
     leaves = "[" + ", ".join(leaf.name for leaf in program.leaves) + "]"
+    if any(h.kind == "retain_grad" for h in program.hooks):
+        leaves += " + retained"
     retain = program.retain_graph
     body.append(f"for _ in range({program.repeat}):")
     if program.mode == "grad":

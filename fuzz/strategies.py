@@ -8,6 +8,11 @@ Every draw is ordered so that Hypothesis' shrinking moves toward simpler
 programs: fewer ops, fewer and smaller leaves, reuse of existing values, the
 first ops of the catalog, loss ``"sum"``, mode ``"backward"``, one root.
 
+After the roots and the backward options, hooks are drawn on values the
+roots depend on (:func:`_draw_hooks`). Custom ``autograd.Function`` s and
+in-place ops on views are ops of the catalog and drawn like the others (the
+``rare`` ``mul_inplace`` a quarter as often).
+
 The result is validated, so it always type-checks, and pruned (ops that no
 root or input needs are dropped) unless ``GenConfig.prune`` is off.
 """
@@ -21,7 +26,20 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fuzz import ops as catalog
-from fuzz.ir import DTYPES, LOSSES, MODES, Leaf, Op, Program, ValueInfo, base_name, validate
+from fuzz.ir import (
+    DTYPES,
+    HOOK_KINDS,
+    LOSSES,
+    MODES,
+    Hook,
+    Leaf,
+    Op,
+    Program,
+    ValueInfo,
+    base_name,
+    infer_outputs,
+    validate,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +56,31 @@ class GenConfig:
     mixed_dtypes: bool = True  # now and then a leaf of the other dtype
     no_grad_leaves: bool = True  # now and then a leaf with requires_grad=False
     inputs_restriction: bool = True  # now and then backward(inputs=...)
-    repeat: bool = False  # now and then two backwards with retain_graph=True
+    repeat: bool = True  # now and then two backwards with retain_graph=True
+    hooks: bool = True  # most programs get hooks (see _draw_hooks)
+    max_hooks: int = 4
+    # "kind.action" pairs to draw hooks from (None: every one in HOOK_KINDS),
+    # e.g. to leave out what a peer subject does not support
+    hook_actions: tuple[str, ...] | None = None
+    # At most one retain_grad() per tensor. A second call is a no-op in
+    # eager, but with cagrad imported it raises RuntimeError ("Boolean value
+    # of Tensor with more than one value is ambiguous": the hook census keeps
+    # a WeakSet of tensors, and WeakSet membership compares tensors with ==).
+    # That hits the eager reference too (the census patches Tensor.retain_grad
+    # process-wide), so every such program is a "build error". Set False to
+    # generate the double call again once cagrad handles it.
+    retain_grad_once: bool = True
     # Drop ops that no root needs. A campaign turns this off and prunes each
     # program itself: then the number of ops the shrinker sees only goes down
     # as it deletes choices (pruning first would let a simpler choice make
     # more ops live).
     prune: bool = True
+
+    def allowed_actions(self, kind: str) -> list[str]:
+        actions = list(HOOK_KINDS[kind])
+        if self.hook_actions is None:
+            return actions
+        return [a for a in actions if f"{kind}.{a}" in self.hook_actions]
 
     def op_names(self) -> list[str]:
         names = list(self.ops) if self.ops is not None else list(catalog.OPS)
@@ -84,6 +121,7 @@ class _Builder:
         self.leaves: list[Leaf] = []
         self.ops: list[Op] = []
         self.pool: list[ValueInfo] = []
+        self.alias: dict[str, str] = {}  # value -> the value whose tensor it is (identity ops)
         self.dtype = draw(st.sampled_from(list(cfg.dtypes)))
 
     def new_leaf(self, shape: tuple[int, ...], dtype: str | None = None) -> ValueInfo | None:
@@ -98,9 +136,12 @@ class _Builder:
         requires_grad = not (self.leaves and self.cfg.no_grad_leaves and _rare(draw, 6))
         leaf = Leaf(f"x{len(self.leaves)}", tuple(shape), dtype, requires_grad)
         self.leaves.append(leaf)
-        info = ValueInfo(leaf.name, leaf.shape, dtype, requires_grad)
+        info = ValueInfo(leaf.name, leaf.shape, dtype, requires_grad, is_leaf=True)
         self.pool.append(info)
         return info
+
+    def tensor_of(self, ref: str) -> str:
+        return self.alias.get(ref, ref)
 
     def pick(self, candidates: Sequence[ValueInfo], shape: tuple[int, ...], dtype: str | None) -> ValueInfo | None:
         """Reuses a candidate (most recent first) or makes a new leaf."""
@@ -114,9 +155,15 @@ class _Builder:
     def add_op(self, op_name: str) -> None:
         draw = self.draw
         spec = catalog.OPS[op_name]
-        firsts = [v for v in self.pool if spec.accepts(v.shape)]
+        if spec.inplace_first:
+            # writes into an earlier fresh value that requires grad; never a new leaf
+            firsts = [v for v in self.pool if spec.accepts(v.shape) and v.fresh and v.requires_grad and not v.is_leaf]
+            if not firsts:
+                return
+        else:
+            firsts = [v for v in self.pool if spec.accepts(v.shape)]
         first: ValueInfo | None
-        if firsts and not (len(self.leaves) < self.cfg.max_leaves and _rare(draw)):
+        if firsts and (spec.inplace_first or not (len(self.leaves) < self.cfg.max_leaves and _rare(draw))):
             # mostly the newest value, so that programs grow deep, not wide
             back = 0 if len(firsts) == 1 or not _rare(draw, 3) else draw(st.integers(1, len(firsts) - 1))
             first = firsts[-1 - back]
@@ -130,7 +177,11 @@ class _Builder:
         same_dtype = first.dtype if spec.dtype_rule == "same" else None
         for shape in other_shapes:
             cands = [
-                v for v in self.pool if v.shape == tuple(shape) and (same_dtype is None or v.dtype == same_dtype)
+                v
+                for v in self.pool
+                if v.shape == tuple(shape)
+                and (same_dtype is None or v.dtype == same_dtype)
+                and (not spec.inplace_first or v.fresh or v.is_leaf)  # no view of the written tensor
             ]
             chosen = self.pick(cands, tuple(shape), same_dtype)
             if chosen is None:
@@ -139,15 +190,11 @@ class _Builder:
         name = f"v{len(self.ops)}"
         # The catalog's rules must agree with its plans; a SpecError here is a
         # bug in fuzz/ops.py and is left to surface.
-        out_shapes = spec.infer([v.shape for v in inputs], attrs)
-        out_dtype = spec.out_dtype([v.dtype for v in inputs], attrs, [v.shape for v in inputs])
-        rg = spec.differentiable and any(
-            v.requires_grad for j, v in enumerate(inputs) if j not in spec.nondiff_inputs
-        )
+        outs = infer_outputs(spec, name, attrs, inputs)
+        if spec.is_identity([v.shape for v in inputs], [v.dtype for v in inputs], attrs):
+            self.alias[name] = self.tensor_of(first.ref)
         self.ops.append(Op(name, op_name, tuple(v.ref for v in inputs), attrs))
-        refs = [f"{name}:{k}" for k in range(len(out_shapes))] if spec.multi_output else [name]
-        for ref, shape in zip(refs, out_shapes):
-            self.pool.append(ValueInfo(ref, tuple(shape), out_dtype, rg))
+        self.pool.extend(outs)
 
 
 def _ancestry(ops: Sequence[Op], refs: Sequence[str]) -> set[str]:
@@ -174,7 +221,10 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
         # longer programs.
         if i and draw(st.integers(0, 4)) == 4:
             break
-        b.add_op(op_names[(rotation + draw(st.integers(0, len(op_names) - 1))) % len(op_names)])
+        k = (rotation + draw(st.integers(0, len(op_names) - 1))) % len(op_names)
+        if catalog.OPS[op_names[k]].rare and not _rare(draw, 4):
+            k = (k + 1) % len(op_names)  # a rare op gives way to the next one, 3 times in 4
+        b.add_op(op_names[k])
 
     op_values = [v for v in b.pool if v.requires_grad and base_name(v.ref) not in {leaf.name for leaf in b.leaves}]
     leaf_values = [v for v in b.pool if v.requires_grad and v not in op_values]
@@ -200,6 +250,7 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     retain_graph, repeat = None, 1
     if cfg.repeat and _rare(draw, 6):
         retain_graph, repeat = True, 2
+    hooks = _draw_hooks(draw, cfg, b, needed) if cfg.hooks else []
     seed = draw(st.integers(0, 2**32 - 1))
     program = Program(
         leaves=tuple(b.leaves),
@@ -211,6 +262,7 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
         retain_graph=retain_graph,
         repeat=repeat,
         seed=seed,
+        hooks=tuple(hooks),
     )
     if cfg.prune:
         program = program.pruned()
@@ -218,8 +270,81 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     return program
 
 
+_SCALE_ARGS = (2.0, 0.5, -1.0)
+_SHIFT_ARGS = (0.5, -1.0)
+
+
+def _hook_targets(kind: str, values: Sequence[ValueInfo]) -> list[ValueInfo]:
+    if kind in ("retain_grad", "pre", "post"):
+        return [v for v in values if not v.is_leaf]
+    if kind == "post_accumulate":
+        return [v for v in values if v.is_leaf]
+    return list(values)
+
+
+def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> list[Hook]:
+    """Hooks on values the roots depend on: about three programs in four get
+    1..``max_hooks``. Now and then a hook goes on the tensor the previous one
+    hooked (several hooks on one tensor), and a hook on one output of a
+    multi-output op (split, unbind, fn_sin_cos) mostly gets a twin on another
+    output. Shrinks to no hooks, then to ``tensor``/``observe``."""
+    values = [v for v in b.pool if v.requires_grad and base_name(v.ref) in needed]
+    if not values or cfg.max_hooks < 1 or _rare(draw, 4):
+        return []
+    count = draw(st.integers(1, cfg.max_hooks))
+    hooks: list[Hook] = []
+    retained: set[str] = set()
+    for i in range(count):
+        # tensor hooks (four actions) twice as likely as each other kind
+        kinds = [k for k in ("tensor", *HOOK_KINDS) if _hook_targets(k, values) and cfg.allowed_actions(k)]
+        if not kinds:
+            break
+        kind = draw(st.sampled_from(kinds))
+        targets = _hook_targets(kind, values)
+        target: ValueInfo | None = None
+        if hooks and _rare(draw, 3):
+            prev = hooks[-1].target
+            base, _, index = prev.partition(":")
+            siblings = [v for v in targets if index and v.ref.startswith(base + ":") and v.ref != prev]
+            same = [v for v in targets if v.ref == prev]
+            choice = draw(st.sampled_from(["same", "sibling"]))
+            pool = (same or siblings) if choice == "same" else (siblings or same)
+            if pool:
+                target = pool[draw(st.integers(0, len(pool) - 1))]
+        if target is None:
+            target = targets[-1 - draw(st.integers(0, len(targets) - 1))]  # the newest first
+        if kind == "retain_grad" and cfg.retain_grad_once:
+            if b.tensor_of(target.ref) in retained:
+                continue
+            retained.add(b.tensor_of(target.ref))
+        action = draw(st.sampled_from(cfg.allowed_actions(kind)))
+        arg: float | int | None = None
+        if action == "scale":
+            arg = draw(st.sampled_from(_SCALE_ARGS))
+        elif action == "shift":
+            arg = draw(st.sampled_from(_SHIFT_ARGS))
+        elif action == "drop":
+            arg = draw(st.integers(0, 2))
+        hooks.append(Hook(f"h{i}", kind, target.ref, action, arg))
+        base, _, index = target.ref.partition(":")
+        siblings = [v for v in _hook_targets(kind, values) if index and v.ref.startswith(base + ":") and v.ref != target.ref]
+        if kind == "retain_grad" and cfg.retain_grad_once:
+            siblings = [v for v in siblings if b.tensor_of(v.ref) not in retained]
+        if siblings and len(hooks) < cfg.max_hooks and not _rare(draw, 3):
+            # a hook of the same kind on another output of that multi-output op
+            other = siblings[draw(st.integers(0, len(siblings) - 1))]
+            hooks.append(Hook(f"h{i}s", kind, other.ref, action, arg))
+            if kind == "retain_grad":
+                retained.add(b.tensor_of(other.ref))
+    return hooks
+
+
 def programs(config: GenConfig | None = None, **overrides: Any) -> st.SearchStrategy[Program]:
     """Random valid programs; ``overrides`` replace :class:`GenConfig` fields."""
     cfg = dataclasses.replace(config or GenConfig(), **overrides)
     cfg.op_names()  # fail early on unknown names
+    known = {f"{k}.{a}" for k, actions in HOOK_KINDS.items() for a in actions}
+    unknown = sorted(set(cfg.hook_actions or ()) - known)
+    if unknown:
+        raise ValueError(f"unknown hook action(s) {unknown}; known: {sorted(known)}")
     return _programs(cfg)

@@ -5,7 +5,8 @@ op's own generator; the test then checks the op's declared rules against what
 torch does (output shapes, output dtype under mixed float32/float64 inputs),
 its rendered source against its implementation, and its backward with
 ``torch.autograd.gradcheck`` in float64: an independent check of the
-gradients the fuzzer will compare.
+gradients the fuzzer will compare (for the custom ``autograd.Function`` s,
+a check of their hand-written backwards).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzz import functions
 from fuzz import ops as catalog
 from fuzz.render import ref_expr
 
@@ -63,6 +65,13 @@ def _inputs(shapes, dtypes, seed: int) -> list[torch.Tensor]:
     return out
 
 
+def _writable(spec: catalog.OpSpec, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An op that writes into its first input gets a non-leaf copy of it."""
+    if spec.inplace_first:
+        return [tensors[0] * 1] + list(tensors[1:])
+    return tensors
+
+
 def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -78,17 +87,21 @@ def test_op_rules_match_torch_and_gradients_check(name: str, data: st.DataObject
     expected_dtype = spec.out_dtype(dtypes, attrs, shapes)
 
     # declared shape and dtype rules = what torch does, mixed dtypes included
-    tensors = _inputs(shapes, dtypes, seed=len(name))
-    outs = _as_tuple(spec.run(tensors, attrs))
+    outs = _as_tuple(spec.run(_writable(spec, _inputs(shapes, dtypes, seed=len(name))), attrs))
     assert [tuple(o.shape) for o in outs] == [tuple(s) for s in expected_shapes]
     assert all(o.dtype == catalog.TORCH_DTYPES[expected_dtype] for o in outs)
     assert len(outs) == len(expected_shapes) and (spec.multi_output or len(outs) == 1)
 
-    # the rendered source computes the same values
+    # the rendered source computes the same values (fresh inputs: in-place
+    # ops must not see the first run's writes)
+    tensors = _writable(spec, _inputs(shapes, dtypes, seed=len(name)))
     names = [f"t{i}" for i in range(len(tensors))]
-    rendered = eval(spec.code(names, attrs), {"torch": torch}, dict(zip(names, tensors)))  # noqa: S307
-    for a, b in zip(outs, _as_tuple(rendered)):
+    namespace = {"torch": torch, **functions.FUNCTIONS, **dict(zip(names, tensors))}
+    exec("\n".join(spec.statements("out", names, attrs)), namespace)  # noqa: S102 - our own rendering
+    for a, b in zip(outs, _as_tuple(namespace["out"])):
         assert torch.equal(a, b)
+    # ops that return their first input itself do so exactly when they say
+    assert (namespace["out"] is tensors[0]) == spec.is_identity(shapes, dtypes, attrs)
 
     # gradients: analytic (torch's backward formulas) against finite differences
     # (a cast to float32 has no float64 finite differences: check it as a
@@ -101,7 +114,7 @@ def test_op_rules_match_torch_and_gradients_check(name: str, data: st.DataObject
         full = list(inputs64)
         for j, x in zip(diff, xs):
             full[j] = x
-        return spec.run(full, attrs64)
+        return spec.run(_writable(spec, full), attrs64)
 
     assert torch.autograd.gradcheck(fn, tuple(inputs64[j] for j in diff), eps=1e-6, atol=1e-5, rtol=1e-4)
 
