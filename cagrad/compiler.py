@@ -56,7 +56,7 @@ from .graph_task import GraphTask, NodeCall
 from .saved_variables import SwapSavedVariables
 from .sizes import SizeCheck, static_check, symbolic_check
 from .validate import validate_outputs
-from .walk import MUST_BE_NONE, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
+from .walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
 
 PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_inputs")
 
@@ -222,6 +222,16 @@ def run_aot_backward(
             raise RuntimeError("cannot pass the BackwardState of this AOT backward graph")
         all_args = [*all_args, _STATE_PLACEHOLDER]
     return epilogue(_AotBackward(bw_module, hooks, call_hook).run(*all_args))
+
+
+class _Passed:
+    """An item of an opaque call's result that the trace does not look at
+    (:data:`~cagrad.walk.PASS`): later opaque calls get it as it is."""
+
+    __slots__ = ("proxy",)
+
+    def __init__(self, proxy: torch.fx.Proxy) -> None:
+        self.proxy = proxy
 
 
 def contiguous_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
@@ -458,6 +468,8 @@ class AutogradCompilerInstance:
     def _arg(self, a: Any) -> Any:
         if isinstance(a, Obj):
             return self.hooks_proxy[a.index]
+        if isinstance(a, _Passed):
+            return a.proxy
         if isinstance(a, torch.Tensor):
             return self._proxy(a)
         if isinstance(a, (list, tuple)):
@@ -472,9 +484,17 @@ class AutogradCompilerInstance:
         if result is None:
             return None
         if isinstance(result, list):
-            specs = [MUST_BE_NONE if r is MUST_BE_NONE else _spec_of(r) for r in result]
+            specs = [
+                r if r is MUST_BE_NONE else None if r is PASS else _spec_of(r) for r in result
+            ]
             outs: list = []
             for i, spec in enumerate(specs):
+                if result[i] is PASS:
+                    # not checked (spec None): the value goes on as it is
+                    item = proxy[i]
+                    item.node.meta["autograd_node"] = origin
+                    outs.append(_Passed(item))
+                    continue
                 if spec is None or spec is MUST_BE_NONE:
                     outs.append(None)
                     continue
@@ -604,8 +624,19 @@ class AutogradCompilerInstance:
                     "constant_tensor",
                     f"the trace captured a tensor that is not a graph input ({node.target})",
                 )
+        # a value a resume point names must exist when that point is reached,
+        # even if the rest of the graph does not use it (a pending gradient
+        # of a node that is only captured, say): the interpreter reads it
+        resumed: set[str] = set()
+        for node in graph.nodes:
+            point = node.meta.get("cagrad_resume")
+            if point is not None:
+                for names in (*point.buffers.values(), point.captured, point.inputs):
+                    resumed.update(n for n in names if n is not None)
         graph.eliminate_dead_code(
-            is_impure_node=lambda n: n.is_impure() or n.target in OPAQUE_TARGETS
+            is_impure_node=lambda n: (
+                n.is_impure() or n.target in OPAQUE_TARGETS or n.name in resumed
+            )
         )
         used_inputs = _prune(graph, "inputs")
         used_sizes = _prune(graph, "sizes")

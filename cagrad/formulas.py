@@ -250,7 +250,9 @@ def _cat(node, grads, sym, md):
     # cat_tensors_backward, with each input's size along dim read from the
     # edge's metadata (the node keeps them hidden); at most one input has no
     # edge (cagrad.node_schema, policy split_sizes), and its size is what the
-    # others leave of the total
+    # others leave of the total. Like the C++ node it returns a slice for
+    # every input, that one included (validate_outputs skips its edge, a
+    # node post-hook sees it)
     g = grads[0]
     edges = node.next_functions
     ndim = g.dim()
@@ -273,9 +275,8 @@ def _cat(node, grads, sym, md):
         if shape is not None and len(shape) == 1 and ndim != 1 and shape[0] == 0:
             outs.append(torch.zeros((0,), dtype=g.dtype, device=g.device))
             continue
-        piece = g.narrow(dim, offset, n)
+        outs.append(g.narrow(dim, offset, n))
         offset = offset + n
-        outs.append(None if shape is None else piece)
     return outs
 
 

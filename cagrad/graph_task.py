@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import EagerError, Unsupported
-from .node_schema import NodeKind, NodeSchema, schema_of
+from .node_schema import NodeKind, NodeSchema, output_ranges, schema_of
 from .ready_queue import ReadyQueue
 
 Edge = tuple[Any, int]  # (node or None, input_nr)
@@ -240,6 +240,57 @@ class GraphTask:
 
     def _children(self, call: NodeCall) -> list[NodeCall]:
         return [self.call_of[fn] for fn, _ in self.next_edges(call) if fn is not None]
+
+    def executes(self, fn: Any) -> bool:
+        """Whether a gradient sent to node ``fn`` is used: the edge is valid
+        and, with ``inputs=``, its target runs or has an input captured (the
+        engine's ``exec_info[fn].should_execute()``)."""
+        if fn is None:
+            return False
+        if not self.output_edges:
+            return True
+        target = self.call_of[fn]
+        return target.needed or bool(target.captures)
+
+    def computed_outputs(self, call: NodeCall) -> list[bool] | None:
+        """Which outputs C++ node ``call`` computes in this backward, where
+        that differs from what calling it from Python computes.
+
+        Called from Python the node sees no graph task, so
+        ``Node::task_should_compute_output`` only asks whether an edge of the
+        argument's range is valid; under ``inputs=`` the engine also asks
+        whether the edge leads to a node that runs (its ``exec_info``), so an
+        output for a node that does not run is not computed unless another
+        edge of its range is used (see
+        :func:`cagrad.node_schema.output_ranges`).
+
+        Returns:
+            one flag per edge (False: eager's node returns None there), or
+            None when the call from Python computes what eager does.
+
+        Raises:
+            Unsupported: the node's ranges are not known and some valid edge
+                leads to a node that does not run.
+        """
+        if not self.output_edges:
+            return None
+        edges = call.edges
+        used = [self.executes(fn) for fn, _ in edges]
+        if all(u or fn is None for u, (fn, _) in zip(used, edges)):
+            return None
+        ranges = output_ranges(call.node)
+        if ranges is None:
+            raise Unsupported(
+                "post_hook_outputs",
+                f"which outputs {call.name} computes under inputs= is not known, "
+                "and a node post-hook sees them",
+            )
+        out = [False] * len(edges)
+        for r in ranges:
+            if any(used[i] for i in r):
+                for i in r:
+                    out[i] = True
+        return out
 
     def next_edges(self, call: NodeCall) -> Sequence[Edge]:
         """The edges a node hands its outputs along (root edges for GraphRoot)."""

@@ -54,12 +54,14 @@ _original_node_register_hook = _function._HookMixin._register_hook
 
 
 class _LiveDicts:
-    """A weak set of dicts, by identity (dicts are unhashable)."""
+    """A weak set of objects by identity: dicts are unhashable, and tensors
+    compare elementwise (``weakref.WeakSet`` compares the referents of equal
+    hashes, so adding a tensor twice would raise)."""
 
     def __init__(self) -> None:
         self._refs: dict[int, weakref.ref] = {}
 
-    def add(self, d: OrderedDict) -> None:
+    def add(self, d: Any) -> None:
         key = id(d)
         if key not in self._refs:
             refs = self._refs
@@ -75,7 +77,7 @@ class _LiveDicts:
 # every node hook dict and tensor hook dict alive, and tensors retaining grad
 _node_hook_dicts = _LiveDicts()
 _tensor_hook_dicts = _LiveDicts()
-_retaining_tensors: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+_retaining_tensors = _LiveDicts()  # of tensors
 _probing = False
 
 

@@ -154,7 +154,7 @@ def _generated_schema(cls: type, fields: list[tuple[str, str]]) -> NodeSchema:
     split_sizes = False
     for ctype, field in fields:
         if field.endswith("_released_") or (ctype == "size_t" and field.endswith("_size_")):
-            continue  # bookkeeping of saved tensor lists
+            continue  # bookkeeping of saved tensor lists and of tensor-list inputs
         attr = field[:-1] if field.endswith("_") else field
         if ctype == "SavedVariable":
             tensors.append(attr)
@@ -230,3 +230,42 @@ def _compute_schema(cls: type) -> NodeSchema:
         NodeKind.UNSUPPORTED,
         unsupported=(f"unsupported_node:{name}", f"no compiled handling for {name} yet"),
     )
+
+
+# generated node types whose one differentiable input is a tensor list, so
+# that all their edges form one index range
+_ONE_LIST_INPUT = frozenset(
+    {"CatBackward0", "StackBackward0", "BlockDiagBackward0", "NestedTensorFromTensorListBackward0"}
+)
+# C++ nodes written by hand that decide each output on its own
+# (``task_should_compute_output(i)`` per edge; torch/csrc/autograd/functions)
+_PER_EDGE = frozenset({"CopySlices", "CopyBackwards"})
+
+
+def output_ranges(node: Any) -> list[range] | None:
+    """How a C++ node groups its outputs when it decides which to compute.
+
+    A generated node computes the gradient of each forward argument only if
+    ``Node::task_should_compute_output`` holds for the argument's range of
+    edges: one edge for a tensor, one edge per element for a tensor list (a
+    ``size_t <arg>_size_`` field in ``Functions.h``), true when any edge of
+    the range is valid and, under ``inputs=``, leads to a node the backward
+    runs. Returns the ranges covering ``node.next_functions``, or None where
+    they are not known (a node type with tensor-list inputs beside others, a
+    custom Function, a C++ node not listed here).
+    """
+    cls = type(node)
+    name = cls.__name__
+    n = len(node.next_functions)
+    if name in _PER_EDGE and getattr(torch._C._functions, name, None) is cls:
+        return [range(i, i + 1) for i in range(n)]
+    if getattr(torch._C._functions, name, None) is not cls:
+        return None
+    fields = (_header_fields() or {}).get(name)
+    if fields is None:
+        return None
+    if not any(ctype == "size_t" and field.endswith("_size_") for ctype, field in fields):
+        return [range(i, i + 1) for i in range(n)]
+    if name in _ONE_LIST_INPUT:
+        return [range(n)]
+    return None

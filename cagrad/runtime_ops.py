@@ -134,16 +134,17 @@ def post_accumulate_grad_hooks(hooks: Mapping[Any, Callable], variable: torch.Te
 def accumulate(variable: torch.Tensor, grad: Grad, post_hooks: Mapping | None) -> None:
     """``AccumulateGrad::apply``: into ``.grad``, then post-accumulate hooks.
 
+    As in eager, the hooks run even when nothing is accumulated (no gradient
+    arrived, or the leaf no longer requires grad); only the error for a leaf
+    moved into the graph interior, raised for a defined gradient, stops them.
     The gradient is always copied into a fresh ``.grad`` (never adopted):
     inside a graph with opaque calls cagrad cannot prove nothing else holds it.
     """
-    if grad is None:
-        return
-    if variable.grad_fn is not None:
-        raise RuntimeError("leaf variable has been moved into the graph interior")
-    if not variable.requires_grad:
-        return
-    accumulate_grad(variable, grad, stealable=False)
+    if grad is not None:
+        if variable.grad_fn is not None:
+            raise RuntimeError("leaf variable has been moved into the graph interior")
+        if variable.requires_grad:
+            accumulate_grad(variable, grad, stealable=False)
     if post_hooks:
         post_accumulate_grad_hooks(post_hooks, variable)
 

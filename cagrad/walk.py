@@ -10,10 +10,16 @@ For each node in run order the eager engine (``evaluate_function`` and
 3. tensor pre-hooks (each hooked tensor, in the order its first hook was
    registered), then ``retain_grad`` hooks;
 4. node pre-hooks;
-5. the node itself (``AccumulateGrad``: into ``.grad``, then the leaf's
-   post-accumulate-grad hooks), then ``validate_outputs``;
-6. node post-hooks;
-7. each output is added into the input buffer of the edge's target.
+5. the node itself (``AccumulateGrad``: into ``.grad`` if a gradient
+   arrived, then the leaf's post-accumulate-grad hooks, always), then
+   ``validate_outputs`` (which checks valid edges only);
+6. node post-hooks, on the node's outputs as it returned them: with
+   ``inputs=`` a C++ node computes no gradient for an edge whose target does
+   not run (unless another edge of the same argument's range is used), while
+   an output for an invalid edge that it did compute (``CatBackward0``'s
+   slice for an input that does not require grad) stays;
+7. each output is added into the input buffer of the edge's target, for
+   valid edges whose target runs.
 
 The walk does these steps through an :class:`Executor`: the tracer
 (:mod:`cagrad.compiler`) records them into an FX graph, with hooks, opaque
@@ -94,6 +100,10 @@ class NodePlan:
 # in an opaque call's assumed result: this gradient is None (learnt from an
 # earlier run, see BackwardWalk's ``profile``); anything else is a failed check
 MUST_BE_NONE = "none"
+# in an opaque call's assumed result: whatever is there (a gradient, None or
+# anything else) is handed, unchecked, to a later opaque call (a node
+# post-hook); it is never sent along an edge
+PASS = "pass"
 
 
 class Obj:
@@ -246,10 +256,12 @@ class BackwardWalk:
         if phase is Phase.APPLY:
             outs, inputs = state
             if hooks is not None and hooks.post is not None:
+                # only a post-hook sees gradients on edges that are not used
+                outs = self._as_eager_computes(call, plan, outs)
                 outs = self.ex.opaque(
                     "node_post_hooks",
                     (Obj(hooks.post), outs, inputs),
-                    self._assume(pos, Phase.POST_HOOKS, list(outs)),
+                    self._assume(pos, Phase.POST_HOOKS, self._handed_on(call, outs)),
                     name,
                     lambda: self._snapshot(pos, Phase.POST_HOOKS, inputs_=None),
                 )
@@ -262,8 +274,12 @@ class BackwardWalk:
             grad = inputs[0]
             if self.accumulate_at_end:
                 self.leaf_grads.append((pos, grad))
-            elif grad is not None:
+            else:
                 post = plan.hooks.post_accumulate if plan.hooks is not None else None
+                if grad is None and post is None:
+                    return []
+                # AccumulateGrad::apply calls the post-accumulate-grad hooks
+                # even when no gradient arrived
                 self.ex.opaque(
                     "accumulate",
                     (Obj(plan.node), grad, None if post is None else Obj(post)),
@@ -278,9 +294,16 @@ class BackwardWalk:
         if kind is Kind.AOT:
             return self.ex.apply_aot(pos, call, plan, inputs)
         # opaque and custom nodes: run for real; the trace assumes a defined
-        # gradient on every edge whose target runs
+        # gradient on every edge whose target runs, and hands what the node
+        # returned for other edges to its post-hooks as it is
+        passed = None if plan.hooks is None or plan.hooks.post is None else PASS
         expected = self._assume(
-            pos, Phase.APPLY, [self._expected_grad(fn, input_nr) for fn, input_nr in call.edges]
+            pos,
+            Phase.APPLY,
+            [
+                self._expected_grad(fn, input_nr) if self.task.executes(fn) else passed
+                for fn, input_nr in call.edges
+            ],
         )
         op = "call_node" if kind is Kind.OPAQUE else "call_custom_function"
         args = (Obj(plan.node), inputs)
@@ -293,17 +316,37 @@ class BackwardWalk:
         if pattern is None or len(pattern) != len(expected):
             return expected
         return [
-            MUST_BE_NONE if e is not None and not defined else e
+            MUST_BE_NONE if e is not None and e is not PASS and not defined else e
             for e, defined in zip(expected, pattern)
         ]
 
     def _expected_grad(self, fn: Any, input_nr: int) -> Any:
-        if fn is None:
-            return None
-        target = self.task.call_of[fn]
-        if self.has_exec_info and not (target.needed or target.captures):
+        if not self.task.executes(fn):
             return None
         return self.ex.metadata(fn, input_nr)
+
+    def _as_eager_computes(self, call: NodeCall, plan: NodePlan, outs: list) -> list:
+        """The node's outputs as eager's node returns them in this backward.
+
+        A C++ node called from Python computes the gradients of all its valid
+        edges; under ``inputs=`` eager's computes only those that
+        ``task_should_compute_output`` asks for (see
+        :meth:`GraphTask.computed_outputs`). Custom Functions (PyNode) return
+        what their backward returned either way.
+        """
+        if not self.has_exec_info or plan.kind not in (Kind.TRACED, Kind.OPAQUE):
+            return outs
+        computed = self.task.computed_outputs(call)
+        if computed is None:
+            return outs
+        return [o if c else None for o, c in zip(outs, computed)]
+
+    def _handed_on(self, call: NodeCall, outs: list) -> list:
+        """What a post-hook's result is assumed to be: the gradients it got
+        on edges that are used; whatever it returns for other edges is not
+        checked (they are not sent anywhere)."""
+        executes = self.task.executes
+        return [o if executes(fn) else None for (fn, _), o in zip(call.edges, outs)]
 
     def _tensor_hooks(self, hooks: NodeHooks | None, inputs: list, name: str) -> list:
         if hooks is None:
@@ -324,12 +367,11 @@ class BackwardWalk:
 
     def _distribute(self, call: NodeCall, edges: Sequence[Any], outs: Sequence[Any]) -> None:
         call_of = self.task.call_of
+        executes = self.task.executes
         for (fn, input_nr), g in zip(edges, outs):
-            if fn is None:
+            if not executes(fn):
                 continue
             nxt = call_of[fn]
-            if self.has_exec_info and not (nxt.needed or nxt.captures):
-                continue
             buf = self.buffers.get(nxt.id)
             if buf is None:
                 buf = self.buffers[nxt.id] = [None] * len(nxt.input_metadata)

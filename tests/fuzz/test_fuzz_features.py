@@ -532,11 +532,12 @@ def test_torch_compiled_autograd_limitations_are_still_there(torch_ca_oracle: Or
 
 
 # ------------------------------- cagrad divergences found by the fuzzer
-# Each is a shrunk program from a campaign; strict xfail: when cagrad is
-# fixed the test XPASSes and fails, so that the marker gets removed.
-KNOWN_CAGRAD_BUGS = {
-    # cagrad does not call a leaf's post-accumulate-grad hook when the leaf's
-    # gradient was turned into None by a node post-hook; eager calls it
+# Each is a shrunk program from a campaign on which cagrad once differed from
+# eager; fixed, they stay here as regression tests (tests/cagrad/
+# test_hook_parity.py checks the same behaviours directly).
+KNOWN_FIXED = {
+    # a node post-hook turns the leaf's only gradient into None: eager still
+    # runs AccumulateGrad, which calls the leaf's post-accumulate-grad hook
     # (p.grad is None)
     "post_accumulate hook after a dropped grad": Program(
         leaves=(Leaf("x1", (1, 3, 1), "float32"),),
@@ -545,9 +546,9 @@ KNOWN_CAGRAD_BUGS = {
         seed=7235428,
         hooks=(Hook("h0", "post_accumulate", "x1"), Hook("h1", "post", "v0:0", "drop", 0)),
     ),
-    # autograd.grad(inputs=...): eager computes no gradient for an edge that
-    # leads to no input, so a node post-hook sees None there; under cagrad it
-    # sees a tensor
+    # autograd.grad(inputs=...): eager's node computes no gradient for an
+    # edge whose target does not run (task_should_compute_output consults
+    # the graph task's exec_info), so a node post-hook sees None there
     "post hook sees a gradient eager does not compute": Program(
         leaves=(Leaf("x1", (3,), "float32"), Leaf("x2", (), "float32")),
         ops=(Op("v2", "clone", ("x1",), {}), Op("v3", "mul", ("v2", "x2"), {})),
@@ -558,8 +559,9 @@ KNOWN_CAGRAD_BUGS = {
         hooks=(Hook("h1", "post", "v3"),),
     ),
     # a node post-hook's grad_inputs: for an input that does not require
-    # grad, eager's CatBackward0 still computes its slice (the hook sees a
-    # tensor); under cagrad the hook sees None
+    # grad (an invalid edge), eager's CatBackward0 still computes its slice
+    # (the tensor list is one range) and validate_outputs leaves it, so the
+    # hook sees a tensor
     "post hook misses a gradient eager computes": Program(
         leaves=(
             Leaf("x2", (1, 3, 2), "float32", False),
@@ -573,21 +575,21 @@ KNOWN_CAGRAD_BUGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(KNOWN_CAGRAD_BUGS))
-@pytest.mark.xfail(strict=True, reason="cagrad divergence found by the fuzzer (reported, not fixed here)")
-def test_known_cagrad_divergences(cagrad_oracle: Oracle, name: str) -> None:
-    _assert_equal(cagrad_oracle, KNOWN_CAGRAD_BUGS[name])
+@pytest.mark.parametrize("name", sorted(KNOWN_FIXED))
+def test_fuzz_found_divergences_stay_fixed(cagrad_oracle: Oracle, name: str) -> None:
+    _assert_equal(cagrad_oracle, KNOWN_FIXED[name])
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="cagrad's hook census: a second retain_grad() raises")
-def test_known_cagrad_bug_retain_grad_twice() -> None:
+def test_retain_grad_twice_is_a_no_op() -> None:
+    """A second retain_grad() on a tensor is a no-op in eager; cagrad's hook
+    census once raised there (a WeakSet of tensors compares them)."""
     import cagrad  # noqa: F401 - installs the hook census
 
     p = rich_program(hooks=(Hook("h0", "retain_grad", "v1"), Hook("h1", "retain_grad", "v1")))
-    build_run(p)  # eager: the second retain_grad() is a no-op
+    build_run(p)
 
 
-def test_known_bug_programs_are_valid_and_deepcopyable() -> None:
-    for p in KNOWN_CAGRAD_BUGS.values():
+def test_known_fixed_programs_are_valid_and_deepcopyable() -> None:
+    for p in KNOWN_FIXED.values():
         validate(p)
         assert Program.from_json(copy.deepcopy(p).to_json()) == p

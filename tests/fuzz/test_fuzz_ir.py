@@ -119,7 +119,12 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("path,value,fragments", MALFORMED, ids=[f"{m[0]}={m[1]!r}" for m in MALFORMED])
+def _malformed_id(case: tuple) -> str:
+    path, value, _ = case
+    return f"{path}=" + ("<deleted>" if value is _DELETE else repr(value))
+
+
+@pytest.mark.parametrize("path,value,fragments", MALFORMED, ids=[_malformed_id(m) for m in MALFORMED])
 def test_malformed_programs_name_the_problem(path: str, value, fragments: list[str]) -> None:
     with pytest.raises(IRError) as info:
         Program.from_dict(_mutated(path, value))
