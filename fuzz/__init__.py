@@ -3,14 +3,16 @@
 Modules, one concept each:
 
 =================  ========================================================
-``ir``             the program IR (leaves, ops, roots, backward mode), JSON
+``ir``             the program IR (leaves, ops, roots, backward mode, resize
+                   steps of a size sequence), JSON
 ``ops``            the op catalog: arity, attributes, shape rule, torch impl
 ``ops_custom``     ops applying custom ``autograd.Function`` s
 ``ops_inplace``    in-place ops on views (and the rare ``mul_inplace``)
 ``functions``      the custom ``autograd.Function`` s (standalone classes)
 ``hooks``          registering a program's hooks; they record the trace
 ``strategies``     Hypothesis strategies for random valid programs
-``interpret``      IR -> harness ``Program`` (deterministic leaf values)
+``interpret``      IR -> harness ``Program`` (deterministic leaf values; a
+                   size sequence's variants)
 ``render``         IR -> plain torch source, for people
 ``oracle``         runs programs through ``harness.run_differential``
 ``reduce``         IR-level reduction of a failing program

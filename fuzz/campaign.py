@@ -254,6 +254,7 @@ class Campaign:
             "build_errors": s["build_errors"],
             "outcome_counts": s.get("outcome_counts", {}),
             "fallback_reasons": s.get("fallback_reasons", {}),
+            "sequence_captures": s.get("sequence_captures", {}),
             "rounds": s["next_round"],
             "sessions": s["sessions"],
             "torch_version": torch.__version__,
@@ -485,8 +486,19 @@ class Campaign:
             return
         counts = self.state.setdefault("outcome_counts", {})
         reasons = self.state.setdefault("fallback_reasons", {})
+        sequences = self.state.setdefault("sequence_captures", {})
         for o in verdict.report.outcomes:
             where = f"{o.subject}@{o.device}"
+            if o.variants:
+                seq = sequences.setdefault(
+                    where, {"sequences": 0, "variants": 0, "captures": 0, "over_first": 0, "rule_failures": 0}
+                )
+                caps = [c or 0 for c in o.captures_per_variant]
+                seq["sequences"] += 1
+                seq["variants"] += len(caps)
+                seq["captures"] += sum(caps)
+                seq["over_first"] += sum(caps[1:])  # recaptures at new sizes
+                seq["rule_failures"] += int(any(m.where == "captures" for m in o.mismatches))
             per = counts.setdefault(where, {})
             per[o.status.value] = per.get(o.status.value, 0) + 1
             for reason, n in o.fallback_reasons.items():
@@ -598,6 +610,13 @@ class Campaign:
                 Text(str(self.out / f["reproducer"])),
             )
         self.console.print(table)
+        seq = r["sequence_captures"]
+        if seq:
+            listed = "; ".join(
+                f"{w}: {c['captures']} captures ({c['over_first']} at new sizes) in {c['sequences']} sequences"
+                for w, c in seq.items()
+            )
+            self.console.print(Text(f"size sequences: {listed}"))
         if r["build_errors"]:
             self.console.print(Text(f"{r['build_errors']} program(s) failed to build under eager: see {self.out / 'build_errors'}"))
         self.console.print(Text(f"report: {self.report_path}"))

@@ -8,6 +8,7 @@
     python -m fuzz replay program.json --show      # as plain torch code
     python -m fuzz ops                             # the op catalog
     python -m fuzz campaign --budget 60 --out o --ops 'fn_sin_scale,slice_mul_,sin' --no-hooks
+    python -m fuzz campaign --budget 60 --out o --no-shapes   # no size sequences
 
 Exit status: 0 clean, 1 divergence found (campaign) or reproduced (replay),
 2 usage or I/O error, 3 internal error of the fuzzer, 130 campaign
@@ -82,6 +83,14 @@ def main() -> None:
 )
 @click.option("--max-hooks", type=click.IntRange(min=1), default=4, show_default=True, help="Hooks per program, at most.")
 @click.option(
+    "--shapes/--no-shapes",
+    default=True,
+    show_default=True,
+    help="Make about one program in three a size sequence: re-run at new leaf sizes, grads checked at every "
+    "size, cagrad's captures checked against its rule (at most one recapture per new set of dynamic sizes); "
+    "the report lists every subject's captures per size variant.",
+)
+@click.option(
     "--shrink-seconds",
     type=click.FloatRange(min=0),
     default=120.0,
@@ -106,6 +115,7 @@ def campaign(
     repeat: bool,
     hooks: bool,
     max_hooks: int,
+    shapes: bool,
     shrink_seconds: float,
     round_size: int,
     max_programs: int | None,
@@ -136,6 +146,7 @@ def campaign(
             repeat=repeat,
             hooks=hooks,
             max_hooks=max_hooks,
+            shapes=shapes,
         )
         gen.op_names()
     except ValueError as e:

@@ -22,6 +22,7 @@ import torch
 from fuzz import ops as catalog
 from fuzz.hooks import register_hooks
 from fuzz.ir import Leaf, Program
+from harness.capture_rule import SizeVariant
 from harness.program import ProgramRun
 
 
@@ -92,15 +93,40 @@ def program_digest(program: Program) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def sizes_label(variant: Program, resized: set[str]) -> str:
+    """``"x0[6, 3] x1[3]"``: the shapes of ``variant``'s leaves named in
+    ``resized`` (the leaves some step resizes)."""
+    shown = [f"{leaf.name}{list(leaf.shape)}" for leaf in variant.leaves if leaf.name in resized]
+    return " ".join(shown) if shown else "sizes"
+
+
 class IRProgram:
-    """Adapts an IR :class:`~fuzz.ir.Program` to the harness ``Program`` protocol."""
+    """Adapts an IR :class:`~fuzz.ir.Program` to the harness ``Program``
+    protocol; one with ``resizes`` is a size sequence
+    (:meth:`size_variants`, see :mod:`harness.capture_rule`)."""
 
     def __init__(self, program: Program):
         self.program = program
         self.name = program.name or f"fuzz-{program_digest(program)}"
 
     def build(self, device: torch.device) -> ProgramRun:
-        return build_run(self.program, device)
+        return build_run(self.program.without_resizes(), device)
+
+    def size_variants(self) -> list[SizeVariant]:
+        """The program at its own sizes, then at each resize step's."""
+        variants = self.program.size_variants()
+        resized = {
+            b.name for v in variants[1:] for b, leaf in zip(variants[0].leaves, v.leaves) if b.shape != leaf.shape
+        }
+        return [
+            SizeVariant(
+                sizes_label(v, resized),
+                v.leaf_sizes(),
+                IRProgram(v.with_name(self.name)),
+                tuple(info.shape for info in v.infer().values()),
+            )
+            for v in variants
+        ]
 
     def __repr__(self) -> str:
         return f"IRProgram({self.name!r}, {len(self.program.ops)} ops)"

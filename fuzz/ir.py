@@ -35,7 +35,19 @@ Program-level fields say how the backward runs (they map one to one onto
   the harness compares with eager's; a retained ``.grad`` is compared like a
   leaf's.
 
+* ``resizes``: a *size sequence* (:mod:`harness.capture_rule`): after a run
+  at its own sizes the program runs again once per step, each step a
+  mapping ``{old size: new size}`` applied to every leaf shape entry equal
+  to ``old`` (so broadcast and matmul partners change together; steps are
+  relative to the program's own sizes, not to the previous step). Leaf
+  values at every size come from the same seed. Every step must give a
+  valid program (an op whose attributes carry sizes, a ``reshape`` say, may
+  rule a step out); :func:`validate` names the step (``resizes[1]``).
+
 JSON form (:meth:`Program.to_json`) carries ``"schema": SCHEMA_VERSION`` (2);
+``resizes`` is an optional schema-2 field, written only when non-empty as a
+list of steps, each a list of ``[old, new]`` pairs (so programs without one
+are written exactly as before; a reader without it rejects the field);
 :meth:`Program.from_json` also reads version 1 (no hooks), and rejects other
 versions, unknown fields and anything :func:`validate` rejects, with an
 :class:`IRError` naming the place (``hooks[2].target``).
@@ -191,6 +203,8 @@ class Program:
     seed: int = 0
     name: str = ""
     hooks: tuple[Hook, ...] = ()
+    # size sequence steps: each a tuple of (old size, new size) pairs
+    resizes: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +221,7 @@ class Program:
             "retain_graph": self.retain_graph,
             "repeat": self.repeat,
             "hooks": [hook.to_dict() for hook in self.hooks],
+            **({"resizes": [[list(pair) for pair in step] for step in self.resizes]} if self.resizes else {}),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -255,7 +270,31 @@ class Program:
             out.append("loss:separate")
         if self.repeat > 1:
             out.append("repeat:retain_graph")
+        if self.resizes:
+            out.append("shapes:sequence")
         return out
+
+    # ------------------------------------------------------ size sequences
+    def leaf_sizes(self) -> tuple[int, ...]:
+        """Every leaf shape entry, flattened, in leaf order."""
+        return tuple(d for leaf in self.leaves for d in leaf.shape)
+
+    def at_sizes(self, step: Mapping[int, int] | Sequence[tuple[int, int]]) -> Program:
+        """This program (without ``resizes``) with every leaf shape entry
+        ``old`` replaced by ``step[old]``; not validated."""
+        mapping = dict(step.items() if isinstance(step, Mapping) else step)
+        leaves = tuple(
+            dataclasses.replace(leaf, shape=tuple(mapping.get(d, d) for d in leaf.shape)) for leaf in self.leaves
+        )
+        return dataclasses.replace(self, leaves=leaves, resizes=())
+
+    def size_variants(self) -> list[Program]:
+        """The program at its own sizes, then at each step's (all without
+        ``resizes``); a single program when it has no steps."""
+        return [self.at_sizes({})] + [self.at_sizes(step) for step in self.resizes]
+
+    def without_resizes(self) -> Program:
+        return dataclasses.replace(self, resizes=())
 
     def size_key(self) -> tuple[int, int, int, int]:
         """Ops, leaves, total leaf elements, JSON length (see also
@@ -285,7 +324,11 @@ class Program:
                 needed.update(base_name(r) for r in op.inputs)
         leaves = tuple(leaf for leaf in self.leaves if leaf.name in needed)
         hooks = tuple(h for h in self.hooks if base_name(h.target) in needed)
-        return dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks)
+        # resize pairs of sizes no kept leaf has go, then steps left empty
+        sizes = {d for leaf in leaves for d in leaf.shape}
+        steps = tuple(tuple(p for p in step if p[0] in sizes) for step in self.resizes)
+        resizes = tuple(step for step in steps if step)
+        return dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks, resizes=resizes)
 
     def without_invalid_hooks(self) -> Program:
         """Drops the hooks :func:`validate` would reject (after an edit that
@@ -321,7 +364,7 @@ _PROGRAM_FIELDS_V1 = {
     "schema", "name", "seed", "leaves", "ops", "roots", "loss", "mode",
     "inputs", "retain_graph", "repeat",
 }
-_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks"}}
+_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes"}}
 _REQUIRED_FIELDS = {"schema", "leaves", "ops", "roots"}
 _LEAF_FIELDS = {"name", "shape", "dtype", "requires_grad"}
 _OP_FIELDS = {"name", "op", "inputs", "attrs"}
@@ -391,7 +434,20 @@ def _parse_program(data: Any) -> Program:
         where = f"hooks[{i}]"
         _check_fields(raw, where, _HOOK_FIELDS, {"name", "kind", "target"})
         hooks.append(Hook(raw["name"], raw["kind"], raw["target"], raw.get("action", "observe"), raw.get("arg")))
+    resizes_raw = data.get("resizes", [])
+    _expect(isinstance(resizes_raw, list), "resizes", f"expected a list of steps, got {resizes_raw!r}")
+    resizes = []
+    for i, raw in enumerate(resizes_raw):
+        where = f"resizes[{i}]"
+        _expect(
+            isinstance(raw, list)
+            and all(isinstance(p, list) and len(p) == 2 and all(_is_int(v) for v in p) for p in raw),
+            where,
+            f"expected a list of [old size, new size] pairs of ints, got {raw!r}",
+        )
+        resizes.append(tuple((p[0], p[1]) for p in raw))
     return Program(
+        resizes=tuple(resizes),
         hooks=tuple(hooks),
         leaves=tuple(leaves),
         ops=tuple(ops),
@@ -553,7 +609,37 @@ def validate(program: Program) -> dict[str, ValueInfo]:
         _expect(hook.name not in names, f"{where}.name", f"hook name {hook.name!r} is also a value's name")
         hook_names.add(hook.name)
         check_hook(hook, where, values, resolve)
+    check_resizes(program)
     return values
+
+
+def check_resizes(program: Program) -> None:
+    """Raises :class:`IRError` naming ``resizes[i]`` unless every step is a
+    non-empty tuple of ``(old, new)`` int pairs (``old`` a size some leaf
+    has, at most once per step, ``new`` >= 0 and not ``old``) whose program
+    validates."""
+    _expect(isinstance(program.resizes, tuple), "resizes", "expected a tuple of steps")
+    sizes = set(program.leaf_sizes())
+    for i, step in enumerate(program.resizes):
+        where = f"resizes[{i}]"
+        _expect(
+            isinstance(step, tuple)
+            and bool(step)
+            and all(isinstance(p, tuple) and len(p) == 2 and all(_is_int(v) for v in p) for p in step),
+            where,
+            f"expected a non-empty list of (old size, new size) int pairs, got {step!r}",
+        )
+        olds = [old for old, _ in step]
+        _expect(len(set(olds)) == len(olds), where, f"size(s) resized twice in one step: {olds}")
+        for old, new in step:
+            _expect(old in sizes, where, f"no leaf has size {old} (leaf sizes: {sorted(sizes)})")
+            _expect(new >= 0, where, f"new size {new} for {old} is negative")
+            _expect(new != old, where, f"size {old} is mapped to itself")
+        text = ", ".join(f"{old} -> {new}" for old, new in step)
+        try:
+            validate(program.at_sizes(step))
+        except IRError as e:
+            raise IRError(where, f"at sizes {text}: {e}") from None
 
 
 def check_hook(hook: Hook, where: str, values: Mapping[str, ValueInfo], resolve: Any = None) -> None:
@@ -651,6 +737,7 @@ __all__ = [
     "ValueInfo",
     "base_name",
     "check_hook",
+    "check_resizes",
     "infer_outputs",
     "validate",
 ]

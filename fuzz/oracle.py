@@ -4,8 +4,8 @@
 program through :func:`harness.run_differential`, reducing the report to
 :class:`FailureKey` s: ``(subject, device, status, kind)`` where ``kind`` is
 the exception type of an ``error`` outcome, or for a ``mismatch`` what
-differs (:func:`mismatch_kind`: ``value``, ``meta``, ``trace`` or
-``unexpected-success``). A failure's *signature* adds the sorted op set of
+differs (:func:`mismatch_kind`: ``value``, ``meta``, ``trace``,
+``unexpected-success`` or ``captures``). A failure's *signature* adds the sorted op set of
 its shrunk program and its hook kinds (``hook:<kind>.<action>``).
 
 Subjects are harness subject names (``"cagrad[aot_eager]"``) or *plugins*:
@@ -55,9 +55,13 @@ def signature(key: FailureKey, op_set: Sequence[str]) -> str:
 
 def mismatch_kind(m: harness.Mismatch | None) -> str:
     """``value`` (numbers differ), ``meta`` (None versus a tensor, shape,
-    dtype), ``trace`` (hook trace) or ``unexpected-success`` (eager raised)."""
+    dtype), ``trace`` (hook trace), ``unexpected-success`` (eager raised) or
+    ``captures`` (a size sequence's captures break cagrad's rule, see
+    :mod:`harness.capture_rule`)."""
     if m is None:
         return "value"
+    if m.where == "captures":
+        return "captures"
     if m.where == "exception":
         return "unexpected-success"
     if m.where.startswith("trace"):

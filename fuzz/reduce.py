@@ -6,6 +6,7 @@ works on the program itself, greedily, keeping a candidate only when it still
 fails and is smaller by :func:`complexity`:
 
 * drop a root (keeping at least one);
+* drop the size sequence, or one resize step of it;
 * cut an op: its output becomes a fresh leaf of the same shape and dtype, so
   the op and everything only it needed disappear;
 * re-root: an op whose outputs are only roots is dropped and one of its
@@ -21,7 +22,9 @@ fails and is smaller by :func:`complexity`:
   signature.
 
 Edits that turn a hooked op output into a leaf drop the hooks that a leaf
-cannot take (node hooks, ``retain_grad``). Every candidate is validated and
+cannot take (node hooks, ``retain_grad``); edits after which a resize step
+no longer validates (a cut made a leaf whose size that step changes into
+something an op rejects) drop that step. Every candidate is validated and
 pruned before it is tried.
 """
 
@@ -35,14 +38,15 @@ from fuzz.ir import IRError, Leaf, Op, Program, validate
 
 
 def complexity(p: Program) -> tuple[int, ...]:
-    """Smaller is simpler: ops, leaves, elements, hooks, hooks that change
-    gradients, ops other than ``clone``, roots, then the backward's options,
-    then float64 leaves, then the JSON's length."""
+    """Smaller is simpler: ops, leaves, elements, resize steps, hooks, hooks
+    that change gradients, ops other than ``clone``, roots, then the
+    backward's options, then float64 leaves, then the JSON's length."""
     ops, leaves, numel, json_len = p.size_key()
     return (
         ops,
         leaves,
         numel,
+        len(p.resizes),
         len(p.hooks),
         sum(h.action != "observe" for h in p.hooks),
         sum(op.op != "clone" for op in p.ops),
@@ -147,6 +151,11 @@ def candidates(p: Program) -> Iterator[Program]:
     for i in range(len(p.roots)):
         if len(p.roots) > 1:
             yield dataclasses.replace(p, roots=p.roots[:i] + p.roots[i + 1 :])
+    if p.resizes:
+        yield p.without_resizes()
+    if len(p.resizes) > 1:
+        for i in range(len(p.resizes)):
+            yield dataclasses.replace(p, resizes=p.resizes[:i] + p.resizes[i + 1 :])
     for i in range(len(p.hooks)):
         yield dataclasses.replace(p, hooks=p.hooks[:i] + p.hooks[i + 1 :])
     for op in reversed(p.ops):
@@ -177,6 +186,21 @@ def candidates(p: Program) -> Iterator[Program]:
             yield dataclasses.replace(p, leaves=tuple(leaves))
 
 
+def _valid_steps(p: Program) -> Program:
+    """``p`` without the resize steps that do not validate (the rest of
+    ``p`` may still be invalid: the caller's validate() says so)."""
+    if not p.resizes:
+        return p
+    keep = []
+    for step in p.resizes:
+        try:
+            validate(p.at_sizes(step))
+        except IRError:
+            continue
+        keep.append(step)
+    return dataclasses.replace(p, resizes=tuple(keep))
+
+
 def reduce_program(
     program: Program,
     still_fails: Callable[[Program], bool],
@@ -198,7 +222,7 @@ def reduce_program(
             if clock() >= deadline:
                 break
             try:
-                cand = cand.pruned()
+                cand = _valid_steps(cand.pruned())
                 validate(cand)
             except IRError:
                 continue

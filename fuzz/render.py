@@ -8,6 +8,12 @@ uses are copied in from :mod:`fuzz.functions`. ``run(device, trace=None)``
 returns what the harness compares: the leaf ``.grad`` s (then the retained
 non-leaf ``.grad`` s), or the tuple from ``torch.autograd.grad``; hook events
 are appended to ``trace`` when a list is given.
+
+A size sequence (``resizes``) renders leaf shapes through ``resize`` (a
+``{old size: new size}`` dict argument of ``run``), the steps as
+``RESIZES`` (``{}`` first: the program's own sizes), and
+``run_sequence(device)``, which loops over them and returns each run's
+results, as the harness runs the variants.
 """
 
 from __future__ import annotations
@@ -93,10 +99,16 @@ def render_source(program: Program) -> str:
         lines.append("from torch.autograd.function import once_differentiable")
     for src in sources:
         lines.extend(["", "", src.rstrip("\n")])
-    lines.extend(["", "", "def run(device='cpu', trace=None):"])
+    sequence = bool(program.resizes)
+    lines.extend(["", "", "def run(device='cpu', trace=None, resize=None):" if sequence else "def run(device='cpu', trace=None):"])
     body = []
+    if sequence:
+        body.append("resize = resize or {}  # {old size: new size} for every leaf shape entry")
     for leaf in program.leaves:
-        expr = _uniform(program.seed, leaf.name, repr(tuple(leaf.shape)), f"torch.{leaf.dtype}")
+        shape = repr(tuple(leaf.shape))
+        if sequence:
+            shape = f"tuple(resize.get(d, d) for d in {shape})"
+        expr = _uniform(program.seed, leaf.name, shape, f"torch.{leaf.dtype}")
         body.append(f"{leaf.name} = {expr}.requires_grad_({leaf.requires_grad})")
     for op in program.ops:
         spec = catalog.get(op.op)
@@ -139,4 +151,18 @@ def render_source(program: Program) -> str:
         )
         body.append(f"return [leaf.grad for leaf in {leaves}]")
     lines.extend("    " + line for line in body)
+    if sequence:
+        steps = ", ".join("{" + ", ".join(f"{old}: {new}" for old, new in step) + "}" for step in program.resizes)
+        lines.extend(
+            [
+                "",
+                "",
+                "# the size sequence: the program's own sizes, then each step's",
+                f"RESIZES = [{{}}, {steps}]",
+                "",
+                "",
+                "def run_sequence(device='cpu'):",
+                "    return [run(device, resize=resize) for resize in RESIZES]",
+            ]
+        )
     return "\n".join(lines) + "\n"

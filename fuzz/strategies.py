@@ -13,6 +13,9 @@ roots depend on (:func:`_draw_hooks`). Custom ``autograd.Function`` s and
 in-place ops on views are ops of the catalog and drawn like the others (the
 ``rare`` ``mul_inplace`` a quarter as often).
 
+About one program in three then becomes a *size sequence*
+(:func:`_draw_resizes`): resize steps that re-run it at new leaf sizes.
+
 The result is validated, so it always type-checks, and pruned (ops that no
 root or input needs are dropped) unless ``GenConfig.prune`` is off.
 """
@@ -32,6 +35,7 @@ from fuzz.ir import (
     LOSSES,
     MODES,
     Hook,
+    IRError,
     Leaf,
     Op,
     Program,
@@ -75,6 +79,11 @@ class GenConfig:
     # as it deletes choices (pruning first would let a simpler choice make
     # more ops live).
     prune: bool = True
+    # Size sequences: about one program in three gets 1..max_resizes resize
+    # steps (see _draw_resizes): it runs again at new sizes, and cagrad's
+    # captures over the sequence are checked (harness.capture_rule).
+    shapes: bool = True
+    max_resizes: int = 3
 
     def allowed_actions(self, kind: str) -> list[str]:
         actions = list(HOOK_KINDS[kind])
@@ -266,8 +275,38 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     )
     if cfg.prune:
         program = program.pruned()
+    if cfg.shapes and cfg.max_resizes >= 1:
+        program = _draw_resizes(draw, cfg, program)
     validate(program)
     return program
+
+
+_NEW_SIZES = tuple(range(2, catalog.MAX_DIM + 4))
+
+
+def _draw_resizes(draw: Any, cfg: GenConfig, program: Program) -> Program:
+    """About one program in three becomes a size sequence: 1..``max_resizes``
+    steps, each mapping one or two leaf sizes >= 2 to new values (>= 2, and
+    now and then 1, which torch and cagrad specialize). A step whose program
+    does not validate (an op's attributes carry that size) is left out.
+    Shrinks to no steps."""
+    olds = sorted({d for d in program.leaf_sizes() if d >= 2})
+    if not olds or draw(st.integers(0, 2)) != 2:
+        return program
+    steps: list[tuple[tuple[int, int], ...]] = []
+    for _ in range(draw(st.integers(1, cfg.max_resizes))):
+        chosen = draw(st.lists(st.sampled_from(olds), min_size=1, max_size=min(2, len(olds)), unique=True))
+        step = []
+        for old in sorted(chosen):
+            new = 1 if _rare(draw, 6) else draw(st.sampled_from([n for n in _NEW_SIZES if n != old]))
+            step.append((old, new))
+        candidate = dataclasses.replace(program, resizes=(tuple(step),))
+        try:
+            validate(candidate)
+        except IRError:
+            continue
+        steps.append(tuple(step))
+    return dataclasses.replace(program, resizes=tuple(steps))
 
 
 _SCALE_ARGS = (2.0, 0.5, -1.0)

@@ -10,12 +10,18 @@ per-dtype tolerance policy::
     print(report.summary())
     assert report.ok
 
+A *size sequence* (a program with ``size_variants()``) runs the same program
+at several sizes under one subject state, checks every size, and reports
+each subject's captures per size; cagrad's are checked against its
+recapture rule (``capture_rule``).
+
 Modules: ``program`` (the Program contract), ``subjects``, ``devices``,
 ``tolerance``, ``compare``, ``execution``, ``outcome``, ``runner``,
-``examples``.
+``capture_rule``, ``examples``.
 """
 
 from harness import examples
+from harness.capture_rule import SizeVariant, allowed_captures, check_captures
 from harness.devices import available_devices, resolve_devices
 from harness.execution import Execution, execute
 from harness.outcome import DifferentialReport, ErrorInfo, Mismatch, Outcome, Status
@@ -45,12 +51,15 @@ __all__ = [
     "Program",
     "ProgramBuildError",
     "ProgramRun",
+    "SizeVariant",
     "Status",
     "Subject",
     "Tolerance",
     "TolerancePolicy",
     "TorchCompiledAutogradSubject",
     "all_subject_names",
+    "allowed_captures",
+    "check_captures",
     "available_devices",
     "default_subjects",
     "examples",

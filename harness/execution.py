@@ -42,6 +42,8 @@ class Execution:
         counts, fallback_reasons: counter deltas over the backward (see
             :func:`harness.subjects.counter_deltas`).
         seconds: wall time of build and backward.
+        static_sizes: what the subject keeps static by design in this
+            graph (:meth:`harness.subjects.Subject.static_sizes`).
     """
 
     mode: str | None = None
@@ -54,6 +56,7 @@ class Execution:
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    static_sizes: list[str] = dataclasses.field(default_factory=list)
 
 
 def snapshot(value: Any) -> Any:
@@ -71,21 +74,36 @@ def snapshot(value: Any) -> Any:
     return value
 
 
-def execute(subject: Subject, program: Program, device: torch.device, seed: int = 0) -> Execution:
+def execute(
+    subject: Subject,
+    program: Program,
+    device: torch.device,
+    seed: int = 0,
+    *,
+    reset: bool = True,
+    probe_sizes: bool = False,
+) -> Execution:
     """Runs ``program`` on ``device`` under ``subject``; never raises an
     exception of the program or engine (``KeyboardInterrupt`` and other
-    non-``Exception`` errors pass through)."""
+    non-``Exception`` errors pass through).
+
+    ``reset=False`` keeps the subject's state (its compiled-graph cache)
+    from the previous run: the later variants of a size sequence run so.
+    ``probe_sizes`` fills :attr:`Execution.static_sizes` (size sequences)."""
     out = Execution()
     phase = "reset"
     start = time.perf_counter()
     try:
-        subject.reset()
+        if reset:
+            subject.reset()
         phase = "build"
         with seeded(device, seed):
             run = program.build(device)
             out.mode = run.mode
             synchronize(device)
             phase = "backward"
+            if probe_sizes:
+                out.static_sizes = subject.static_sizes(run)
             before = subject.counters()
             try:
                 result = subject.run(run)

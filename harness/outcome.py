@@ -139,6 +139,11 @@ class Outcome:
             reports them; empty for plain eager).
         fallback_reasons: reason -> number of backwards that fell back.
         seconds: wall time of build + backward, for information only.
+        variants: for a size sequence (:mod:`harness.capture_rule`), one
+            dict per size variant: ``label``, ``sizes``, ``status``,
+            ``counts`` (that variant's counter deltas) and, for a subject
+            whose captures are checked, ``allowed_captures``; empty for a
+            single program. ``counts`` then sums the variants.
     """
 
     subject: str
@@ -150,6 +155,12 @@ class Outcome:
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    variants: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def captures_per_variant(self) -> list[int | None]:
+        """Captures of each size variant (empty for a single program)."""
+        return [v["counts"].get("captures") for v in self.variants]
 
     @property
     def mismatch(self) -> Mismatch | None:
@@ -197,6 +208,7 @@ class Outcome:
             "counts": dict(self.counts),
             "fallback_reasons": dict(self.fallback_reasons),
             "seconds": self.seconds,
+            **({"variants": [dict(v) for v in self.variants]} if self.variants else {}),
         }
 
 
@@ -213,6 +225,8 @@ class DifferentialReport:
             eager succeeded).
         notes: observations that do not fail the report (e.g. two compiled
             subjects disagree on how many graphs they captured).
+        variants: the labels of a size sequence's variants, in run order
+            (empty for a single program).
     """
 
     program: str
@@ -220,6 +234,7 @@ class DifferentialReport:
     outcomes: list[Outcome] = dataclasses.field(default_factory=list)
     eager_errors: dict[str, ErrorInfo] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
+    variants: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -245,20 +260,27 @@ class DifferentialReport:
         # Text objects, not str: subject names contain brackets that rich
         # would otherwise parse as markup ("torch_ca[eager]").
         table = Table(title=Text(f"{self.program}: {'OK' if self.ok else 'FAILED'}"), title_justify="left")
-        for col in ("subject", "device", "status", "captures", "fallbacks", "detail"):
+        columns = ["subject", "device", "status", "captures", "fallbacks", "detail"]
+        if self.variants:
+            columns.insert(4, "per size variant")
+        for col in columns:
             table.add_column(col, overflow="fold")
         for o in self.outcomes:
-            cells = (
+            cells = [
                 o.subject,
                 o.device,
                 o.status.value,
                 "" if o.captures is None else str(o.captures),
                 "" if o.fallbacks is None else str(o.fallbacks),
                 o.describe(),
-            )
+            ]
+            if self.variants:
+                cells.insert(4, _per_variant(o.captures_per_variant))
             table.add_row(*(Text(c) for c in cells))
         console = Console(width=140, record=True, file=_NullFile(), color_system=None)
         console.print(table)
+        if self.variants:
+            console.print(Text("size variants: " + " -> ".join(self.variants)))
         for note in self.notes:
             console.print(Text(f"note: {note}"))
         return "\n".join(line.rstrip() for line in console.export_text().splitlines()) + "\n"
@@ -275,7 +297,13 @@ class DifferentialReport:
             "outcomes": [o.to_json() for o in self.outcomes],
             "eager_errors": {d: e.to_json() for d, e in self.eager_errors.items()},
             "notes": list(self.notes),
+            **({"variants": list(self.variants)} if self.variants else {}),
         }
+
+
+def _per_variant(captures: list[int | None]) -> str:
+    """``"1,0,0"``: captures of each size variant (``-`` where not counted)."""
+    return ",".join("-" if c is None else str(c) for c in captures)
 
 
 class _NullFile:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from harness.capture_rule import SizeVariant, allowed_captures, check_captures
 from harness.compare import compare_tensor_lists, compare_trace
 from harness.devices import resolve_devices
 from harness.execution import Execution, execute
@@ -132,6 +134,13 @@ def run_differential(
         policy: ``(dtype, backend, device_type) -> Tolerance``.
         seed: the seed set before each build.
 
+    A *size sequence* (a program whose ``size_variants()`` returns a list
+    of :class:`~harness.capture_rule.SizeVariant`) runs every variant in
+    order under each subject, resetting the subject only before the first,
+    judges each variant against eager's run of it, and merges them into one
+    outcome per (subject, device) (:func:`merge_variants`), with cagrad's
+    captures checked by :func:`harness.capture_rule.check_captures`.
+
     Returns:
         A :class:`DifferentialReport` with one outcome per (subject, device).
 
@@ -144,6 +153,13 @@ def run_differential(
     report = DifferentialReport(program=getattr(program, "name", repr(program)), devices=[str(d) for d in device_list])
     for subject in subject_list:
         subject.prepare()
+    variants = size_variants(program)
+    if variants is not None:
+        report.variants = [v.label for v in variants]
+        for device in device_list:
+            _run_sequence(report, variants, subject_list, device, policy, seed)
+        report.notes = _capture_notes(report.outcomes) + _sequence_notes(report.outcomes)
+        return report
     for device in device_list:
         reference = execute(EagerSubject(), program, device, seed)
         if reference.phase == "build":
@@ -159,3 +175,109 @@ def run_differential(
             report.outcomes.append(judge(subject, device, reference, got, policy))
     report.notes = _capture_notes(report.outcomes)
     return report
+
+
+def size_variants(program: Program) -> list[SizeVariant] | None:
+    """The program's size variants when it is a size sequence with more
+    than one variant, else None."""
+    fn = getattr(program, "size_variants", None)
+    if fn is None:
+        return None
+    variants = list(fn())
+    return variants if len(variants) > 1 else None
+
+
+def _run_sequence(
+    report: DifferentialReport,
+    variants: Sequence[SizeVariant],
+    subjects: Sequence[Subject],
+    device: torch.device,
+    policy: TolerancePolicy,
+    seed: int,
+) -> None:
+    references = []
+    for k, variant in enumerate(variants):
+        reference = execute(EagerSubject(), variant.program, device, seed)
+        if reference.phase == "build":
+            assert reference.error is not None
+            raise ProgramBuildError(
+                f"program {report.program!r} failed to build on {device} at size variant {k} "
+                f"({variant.label}): {reference.error.short()}\n{reference.error.traceback}"
+            )
+        if reference.error is not None and str(device) not in report.eager_errors:
+            report.eager_errors[str(device)] = reference.error
+        references.append(reference)
+    for subject in subjects:
+        judged, static = [], set()
+        for k, (variant, reference) in enumerate(zip(variants, references)):
+            got = execute(subject, variant.program, device, seed, reset=k == 0, probe_sizes=True)
+            judged.append(judge(subject, device, reference, got, policy))
+            static.update(got.static_sizes)
+        report.outcomes.append(merge_variants(subject, variants, judged, sorted(static)))
+
+
+_WORST = (Status.ERROR, Status.MISMATCH, Status.FALLBACK, Status.EQUAL)
+
+
+def merge_variants(
+    subject: Subject, variants: Sequence[SizeVariant], judged: Sequence[Outcome], static_sizes: Sequence[str] = ()
+) -> Outcome:
+    """One outcome for a size sequence: the worst variant's status (error,
+    mismatch, fallback, equal), every variant's mismatches (their detail
+    naming the variant), the first error, counts summed, and per variant its
+    label, sizes, status and counts in :attr:`Outcome.variants`.
+
+    A subject whose captures are checked (``subject.capture_rule()`` is not
+    None) gets a ``mismatch`` at ``"captures"`` when no variant raised or
+    diverged and the captures break the rule: its weaker form when
+    ``static_sizes`` names what keeps sizes static in the graph (written to
+    every variant entry as ``static_sizes``)."""
+    first = judged[0]
+    merged = Outcome(subject=first.subject, device=first.device, status=Status.EQUAL)
+    for variant, o in zip(variants, judged):
+        for m in o.mismatches:
+            merged.mismatches.append(dataclasses.replace(m, detail=f"{m.detail} (size variant {variant.label})"))
+        merged.error = merged.error or o.error
+        merged.eager_error = merged.eager_error or o.eager_error
+        for k, v in o.counts.items():
+            merged.counts[k] = merged.counts.get(k, 0) + v
+        for r, n in o.fallback_reasons.items():
+            merged.fallback_reasons[r] = merged.fallback_reasons.get(r, 0) + n
+        merged.seconds += o.seconds
+        merged.variants.append(
+            {"label": variant.label, "sizes": list(variant.sizes), "status": o.status.value, "counts": dict(o.counts)}
+        )
+    merged.status = min((o.status for o in judged), key=_WORST.index)
+    dynamic = subject.capture_rule()
+    if dynamic is not None:
+        sizes = [v.rule_shapes() for v in variants]
+        static = bool(static_sizes)
+        for entry, most in zip(merged.variants, allowed_captures(sizes, dynamic, static)):
+            entry["allowed_captures"] = most
+            if static:
+                entry["static_sizes"] = list(static_sizes)
+        if merged.status in (Status.EQUAL, Status.FALLBACK):
+            problem = check_captures(
+                [o.counts.get("captures", 0) for o in judged],
+                sizes,
+                dynamic,
+                static=static,
+                dropped=[o.counts.get("deopts", 0) for o in judged],
+            )
+            if problem is not None:
+                if static:
+                    problem += f"; weaker rule because of: {', '.join(static_sizes)}"
+                merged.status = Status.MISMATCH
+                merged.mismatches.append(Mismatch("captures", problem))
+    return merged
+
+
+def _sequence_notes(outcomes: Iterable[Outcome]) -> list[str]:
+    """Per device, every subject's captures per size variant side by side
+    (informational: torch's compiled autograd may recompile differently)."""
+    by_device: dict[str, list[str]] = {}
+    for o in outcomes:
+        if o.variants and any(c is not None for c in o.captures_per_variant):
+            caps = ",".join("-" if c is None else str(c) for c in o.captures_per_variant)
+            by_device.setdefault(o.device, []).append(f"{o.subject}={caps}")
+    return [f"{device}: captures per size variant: {'; '.join(items)}" for device, items in by_device.items()]

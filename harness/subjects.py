@@ -63,6 +63,19 @@ class Subject:
         optionally ``"fallback_reasons"``, a ``{reason: count}`` dict."""
         return {}
 
+    def capture_rule(self) -> bool | None:
+        """The ``dynamic`` flag a size sequence's captures are checked with
+        (:mod:`harness.capture_rule`), or None when the subject's captures
+        are only reported (eager, torch's compiled autograd)."""
+        return None
+
+    def static_sizes(self, run: ProgramRun) -> list[str]:
+        """What in ``run``'s graph keeps sizes static in this engine by
+        design (node type names; empty: none), so that the capture rule is
+        checked in its weaker form (:mod:`harness.capture_rule`). Called
+        after the build, before the backward."""
+        return []
+
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """The context in which this subject's backward runs."""
@@ -126,6 +139,50 @@ class CagradSubject(Subject):
         self._cagrad().reset()
         torch._dynamo.reset()
 
+    def capture_rule(self) -> bool | None:
+        # cagrad.enable's default is dynamic=True
+        return True if self.dynamic is None else self.dynamic
+
+    def static_sizes(self, run: ProgramRun) -> list[str]:
+        """What may cost cagrad captures beyond the rule in ``run``'s graph,
+        by design: generated nodes with ``SymInt`` attributes and no Python
+        formula (``cagrad.formulas``: their sizes stay static), sizes the
+        trace specialized to a constant >= 2 (a C++ node's formula that
+        reads a size as an int), and guards the trace recorded on the
+        symbols (a new size that breaks one recaptures), found by tracing
+        the backward with ``cagrad.capture(..., dynamic=True)`` (nothing
+        runs; a backward cagrad cannot compile gives none)."""
+        import operator
+
+        cagrad = self._cagrad()
+        from cagrad.formulas import FORMULAS
+        from cagrad.node_schema import NodeKind, schema_of
+
+        found = set()
+        for node in graph_nodes(run.outputs):
+            schema = schema_of(node)
+            if schema.kind is NodeKind.GENERATED and schema.sym_values and schema.name not in FORMULAS:
+                found.add(schema.name)
+        try:
+            inputs = run.inputs if run.mode == "grad" else None
+            graph = cagrad.capture(run.outputs, run.grad_outputs, inputs, dynamic=True).graph_module.graph
+        except Exception:  # noqa: BLE001 - unsupported: it falls back, nothing is captured
+            return sorted(found)
+        shape_env = None
+        for n in graph.nodes:
+            val = n.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                shape_env = shape_env or val.node.shape_env
+            if n.op == "call_function" and n.target is operator.getitem and getattr(n.args[0], "name", "") == "sizes":
+                if isinstance(val, torch.SymInt) and val.node.expr.is_number and int(val) >= 2:
+                    found.add(f"sizes[{n.args[1]}] specialized to {int(val)}")
+        if shape_env is not None:
+            guards = [shape_env.replace(g.expr) for g in shape_env.guards]
+            guards = [g for g in guards if not (g.is_number or g == True)]  # noqa: E712 - sympy.true
+            if guards:
+                found.add(f"{len(guards)} guard(s) on sizes, e.g. {guards[0]}")
+        return sorted(found)
+
     def counters(self) -> dict[str, Any]:
         counters: Mapping[str, Any] = self._cagrad().counters
         snap: dict[str, Any] = {k: v for k, v in counters.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -178,6 +235,21 @@ class TorchCompiledAutogradSubject(Subject):
         kwargs = {} if self.dynamic is None else {"dynamic": self.dynamic}
         with compiled_autograd._enable(compiler_fn, **kwargs):
             yield
+
+
+def graph_nodes(outputs: Iterable[torch.Tensor]) -> list[Any]:
+    """Every autograd node reachable from ``outputs``' ``grad_fn`` s."""
+    seen: set[int] = set()
+    out: list[Any] = []
+    stack = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return out
 
 
 def counter_deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, int]]:

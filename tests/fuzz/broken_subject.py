@@ -4,6 +4,10 @@
 returns when the backward graph contains a ``MulBackward0`` node (``mul`` or
 ``mul_scalar`` in the IR). Any program using those ops diverges; every other
 program agrees with eager. Load it with ``--plugin PATH/broken_subject.py:BrokenMulSubject``.
+
+``ForgetfulCagrad`` is cagrad that forgets its compiled graphs before every
+backward (its counters kept): it recaptures at every size of a size
+sequence, breaking the capture rule (:mod:`harness.capture_rule`).
 """
 
 from __future__ import annotations
@@ -56,4 +60,18 @@ class InterruptOnSecondMul(BrokenMulSubject):
             type(self).hits += 1
             if type(self).hits == 2:
                 raise KeyboardInterrupt
+        return super().run(run)
+
+
+class ForgetfulCagrad(harness.CagradSubject):
+    """cagrad[eager] that empties its caches before every backward."""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = "forgetful_cagrad[eager]"
+
+    def run(self, run: ProgramRun):
+        from cagrad import engine
+
+        engine.clear_caches()
         return super().run(run)
