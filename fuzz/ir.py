@@ -617,9 +617,11 @@ def check_resizes(program: Program) -> None:
     """Raises :class:`IRError` naming ``resizes[i]`` unless every step is a
     non-empty tuple of ``(old, new)`` int pairs (``old`` a size some leaf
     has, at most once per step, ``new`` >= 0 and not ``old``) whose program
-    validates."""
+    validates without emptying a value that is not empty at the program's
+    own sizes (reductions such as ``amax`` reject empty dims)."""
     _expect(isinstance(program.resizes, tuple), "resizes", "expected a tuple of steps")
     sizes = set(program.leaf_sizes())
+    own: dict[str, ValueInfo] | None = None
     for i, step in enumerate(program.resizes):
         where = f"resizes[{i}]"
         _expect(
@@ -637,9 +639,18 @@ def check_resizes(program: Program) -> None:
             _expect(new != old, where, f"size {old} is mapped to itself")
         text = ", ".join(f"{old} -> {new}" for old, new in step)
         try:
-            validate(program.at_sizes(step))
+            resized = validate(program.at_sizes(step))
         except IRError as e:
             raise IRError(where, f"at sizes {text}: {e}") from None
+        if own is None:
+            own = validate(dataclasses.replace(program, resizes=()))
+        for ref, info in resized.items():
+            before = own.get(ref)
+            _expect(
+                before is None or 0 not in info.shape or 0 in before.shape,
+                where,
+                f"at sizes {text}: {ref} becomes empty {tuple(info.shape)}",
+            )
 
 
 def check_hook(hook: Hook, where: str, values: Mapping[str, ValueInfo], resolve: Any = None) -> None:

@@ -59,10 +59,15 @@ def test_model_trains_like_eager_on_cuda(name, backend):
         for i, (e, a) in enumerate(zip(exp, act)):
             torch.testing.assert_close(a, e, **TOL, msg=lambda m: f"step {step} param {i}: {m}")
     if name == "lstm" and backend == "inductor":
-        # cuDNN's RNN backward is on inductor's denylist (cagrad/backends.py):
-        # every step must fall back, counted, with eager's gradients
+        # inductor must never compile cuDNN's RNN backward (on its denylist in
+        # cagrad/backends.py): the node runs as itself inside the compiled
+        # backward (forced opaque when its trace fails, torch 2.11), or every
+        # step falls back, counted; the gradients are eager's either way
         reasons = dict(cagrad.counters["fallback_reasons"])
-        assert reasons == {"backend_denylist:inductor:_cudnn_rnn_backward": 3}, reasons
+        opaque = dict(cagrad.counters["opaque_reasons"])
+        denied = {"backend_denylist:inductor:_cudnn_rnn_backward": 3}
+        forced = {"trace_failed:CudnnRnnBackward0": 1}
+        assert reasons == denied or (not reasons and opaque == forced), (reasons, opaque)
         return
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["captures"] == 1

@@ -4,8 +4,9 @@ Run with ``tox -e bench`` or
 ``python -m pytest tests/benchmarks --benchmark-enable --benchmark-only``.
 Each round builds a fresh forward graph in ``setup`` (not timed) and times
 one backward. Steady state means after warm-up rounds, so every compiled
-subject is on a cache hit; ``first_backward`` times cagrad's capture plus
-compile with the cache and Dynamo reset before each round.
+subject is on a cache hit; ``first_backward`` times the capture plus compile
+of cagrad and of torch's compiled autograd, with dynamic (symbolic) and
+static sizes, the caches and Dynamo reset before each round.
 """
 
 from __future__ import annotations
@@ -99,10 +100,30 @@ def test_steady_state_backward(benchmark, workload, subject):
         assert cagrad.counters["captures"] == 1
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def _torch_ca_first(backend: str, dynamic: bool):
+    from torch._dynamo import compiled_autograd
+
+    compiler_fn = functools.partial(torch.compile, backend=backend, fullgraph=True)
+    return lambda: compiled_autograd._enable(compiler_fn, dynamic=dynamic)
+
+
+# first backward = capture + compile; dynamic (symbolic sizes, both systems'
+# default) against static sizes, for cagrad and torch's compiled autograd
+FIRST_SUBJECTS = {
+    "cagrad[eager]": lambda: cagrad.enable("eager", dynamic=True),
+    "cagrad[eager,static]": lambda: cagrad.enable("eager", dynamic=False),
+    "cagrad[inductor]": lambda: cagrad.enable("inductor", dynamic=True),
+    "torch_ca[eager]": _torch_ca_first("eager", True),
+    "torch_ca[eager,static]": _torch_ca_first("eager", False),
+    "torch_ca[inductor]": _torch_ca_first("inductor", True),
+}
+
+
+@pytest.mark.parametrize("subject", list(FIRST_SUBJECTS))
 @pytest.mark.parametrize("workload", list(WORKLOADS))
-def test_first_backward(benchmark, workload, backend):
+def test_first_backward(benchmark, workload, subject):
     forward = WORKLOADS[workload]()
+    ctx = FIRST_SUBJECTS[subject]
     holder = {}
 
     def setup():
@@ -110,9 +131,8 @@ def test_first_backward(benchmark, workload, backend):
         cagrad.reset()
         holder["loss"] = forward()
 
-    def first():
-        with cagrad.enable(backend):
-            holder["loss"].backward()
-
-    benchmark.pedantic(first, setup=setup, rounds=3 if backend == "inductor" else 10)
-    assert cagrad.counters["captures"] == 1
+    benchmark.pedantic(
+        lambda: _backward_in(ctx, holder["loss"]), setup=setup, rounds=3 if "inductor" in subject else 5
+    )
+    if subject.startswith("cagrad"):
+        assert cagrad.counters["captures"] == 1
