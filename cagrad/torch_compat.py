@@ -71,6 +71,11 @@ Differences from torch's compiled autograd:
   same way are not supported: such a backward still raises
   ``AssertionError: BackwardState requires CompiledAutograd``, as does one
   that cagrad falls back to eager for;
+* a graph segment whose compiled function raises on its first call (where
+  a lazy backend such as ``torch.compile`` compiles) runs uncompiled, with a warning and ``cagrad.counters
+  ["segment_compile_failures"]``, where torch raises;
+* the compiled graph does not steal its inputs (torch's
+  ``locals_to_steal``), so the lifted tensors live until it returns;
 * the cache-miss and graph logs are cagrad's (``cagrad``/``cagrad.verbose``
   loggers), not torch's ``compiled_autograd(_verbose)`` artifacts;
 * a ``reset()`` from inside an open context turns every open context off
