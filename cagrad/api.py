@@ -13,7 +13,7 @@ from . import engine
 from .backends import CompilerFn
 from .cache_key import CacheKey
 from .cache import CacheNode
-from .compiled_backward import check_supported_mode, collect_backward, trace_with_retries
+from .compiled_backward import CollectedBackward, check_supported_mode, collect_backward, trace_with_retries
 from .counters import counters
 
 
@@ -111,6 +111,26 @@ def capture(
             says why).
         RuntimeError: for arguments eager autograd rejects.
     """
+    outs, grads, ins = backward_arguments(outputs, grad_outputs, inputs)
+    check_supported_mode(create_graph=False)
+    collected = collect_or_raise(outs, grads, ins, accumulate_grad=inputs is None)
+    sizes = collected.collector.sizes
+    slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
+    traced = trace_with_retries(collected, CacheNode(), slots, count=False)
+    return Capture(traced.graph_module, collected.node_keys, collected.task_key)
+
+
+def backward_arguments(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None,
+    inputs: torch.Tensor | Sequence[torch.Tensor] | None,
+) -> tuple[tuple, tuple, tuple]:
+    """``(outputs, grad_outputs, inputs)`` as tuples, the implicit root
+    gradients created as ``torch.autograd.backward`` creates them.
+
+    Raises:
+        RuntimeError: for a non-scalar root without a gradient (eager's).
+    """
     outs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     if grad_outputs is None:
         grads: tuple = (None,) * len(outs)
@@ -120,14 +140,15 @@ def capture(
         grads = tuple(grad_outputs)
     grads = torch.autograd._make_grads(outs, grads, is_grads_batched=False)
     ins = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
-    check_supported_mode(create_graph=False)
+    return outs, grads, ins
+
+
+def collect_or_raise(outs: tuple, grads: tuple, ins: tuple, accumulate_grad: bool) -> CollectedBackward:
+    """:func:`~cagrad.compiled_backward.collect_backward`, raising eager's own
+    error where eager would raise (a freed graph, a modified saved tensor)."""
     from .errors import EagerError
 
     try:
-        collected = collect_backward(outs, grads, ins, accumulate_grad=inputs is None)
+        return collect_backward(outs, grads, ins, accumulate_grad=accumulate_grad)
     except EagerError as e:
         raise e.cause from None
-    sizes = collected.collector.sizes
-    slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
-    traced = trace_with_retries(collected, CacheNode(), slots, count=False)
-    return Capture(traced.graph_module, collected.node_keys, collected.task_key)

@@ -155,23 +155,9 @@ def explain(
         cagrad.Unsupported: the backward would run in eager anyway.
         RuntimeError: for arguments eager autograd rejects.
     """
-    import torch
-
     from . import engine
-    from .compiled_backward import collect_backward
-    from .errors import EagerError
+    from .api import backward_arguments, collect_or_raise
 
-    outs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-    if grad_outputs is None:
-        grads: tuple = (None,) * len(outs)
-    elif isinstance(grad_outputs, torch.Tensor):
-        grads = (grad_outputs,)
-    else:
-        grads = tuple(grad_outputs)
-    grads = torch.autograd._make_grads(outs, grads, is_grads_batched=False)
-    ins = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
-    try:
-        collected = collect_backward(outs, grads, ins, accumulate_grad=inputs is None)
-    except EagerError as e:
-        raise e.cause from None
+    outs, grads, ins = backward_arguments(outputs, grad_outputs, inputs)
+    collected = collect_or_raise(outs, grads, ins, accumulate_grad=inputs is None)
     return diagnose(engine.cache_for(compiler_fn, dynamic), collected.keys, collected.collector.sizes)

@@ -63,3 +63,40 @@ def same_trace(a: list, b: list) -> None:
 def compiled_without_fallback():
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["captures"] >= 1
+
+
+def check_traced(build, backend: str = "eager") -> list:
+    """``build(trace)`` under eager and under cagrad: equal results and hook
+    traces, and the backward compiled without a fallback. Returns the trace."""
+    (e, et), (c, ct) = run_both_traced(build, backend)
+    assert len(e) == len(c)
+    for a, b in zip(e, c):
+        same(a, b)
+    same_trace(et, ct)
+    compiled_without_fallback()
+    return et
+
+
+def errors_under_both(build, backend: str = "eager") -> list[Exception]:
+    """Runs ``build()`` in eager autograd and under cagrad; returns what each
+    raised, in that order (a run that raised nothing adds nothing)."""
+    errors = []
+    for use_cagrad in (False, True):
+        try:
+            if use_cagrad:
+                with cagrad.enable(backend):
+                    build()
+            else:
+                build()
+        except Exception as e:  # noqa: BLE001 - comparing what eager raises
+            errors.append(e)
+    return errors
+
+
+@pytest.fixture
+def captured() -> list:
+    """The CaptureEvents of this test, in order."""
+    events: list = []
+    cagrad.events.on_capture.append(events.append)
+    yield events
+    cagrad.events.on_capture.remove(events.append)

@@ -42,15 +42,6 @@ def fresh_state():
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def captured() -> list:
-    """The CaptureEvents of this test, in order."""
-    events: list = []
-    cagrad.events.on_capture.append(events.append)
-    yield events
-    cagrad.events.on_capture.remove(events.append)
-
-
 @contextlib.contextmanager
 def _torch_ca():
     """torch's own compiled autograd (Dynamo compiles forwards with it on)."""

@@ -31,15 +31,6 @@ def _opaque_calls(graph_module: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-@pytest.fixture
-def captured() -> list:
-    """The CaptureEvents of this test, in order."""
-    events: list = []
-    cagrad.events.on_capture.append(events.append)
-    yield events
-    cagrad.events.on_capture.remove(events.append)
-
-
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()

@@ -15,15 +15,7 @@ from torch.autograd.function import once_differentiable
 
 import cagrad
 
-from .conftest import compiled_without_fallback, run_both_traced, same, same_trace
-
-
-def check(build, backend="eager"):
-    (e, et), (c, ct) = run_both_traced(build, backend)
-    for a, b in zip(e, c):
-        same(a, b)
-    same_trace(et, ct)
-    compiled_without_fallback()
+from .conftest import check_traced as check, errors_under_both, run_both_traced, same
 
 
 class Scaled(torch.autograd.Function):
@@ -215,16 +207,7 @@ def test_errors_match_eager(backward, phrase):
         x = torch.randn(3, requires_grad=True)
         Bad.apply(x, 2.0).sum().backward()
 
-    errors = []
-    for use_cagrad in (False, True):
-        try:
-            if use_cagrad:
-                with cagrad.enable("eager"):
-                    build()
-            else:
-                build()
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+    errors = errors_under_both(build)
     assert len(errors) == 2
     assert type(errors[0]) is type(errors[1])
     assert phrase in str(errors[0]) and phrase in str(errors[1])

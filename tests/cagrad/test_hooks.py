@@ -17,17 +17,7 @@ import torch.nn as nn
 
 import cagrad
 
-from .conftest import compiled_without_fallback, run_both_traced, same, same_trace
-
-
-def check(build, backend="eager"):
-    (e, et), (c, ct) = run_both_traced(build, backend)
-    assert len(e) == len(c)
-    for a, b in zip(e, c):
-        same(a, b)
-    same_trace(et, ct)
-    compiled_without_fallback()
-    return et
+from .conftest import check_traced as check, compiled_without_fallback, errors_under_both, same
 
 
 def test_tensor_hooks_on_a_non_leaf_run_in_order_and_replace_the_grad():
@@ -233,16 +223,7 @@ def test_hook_errors_match_eager(bad, phrase):
         y.register_hook(bad)
         y.sum().backward()
 
-    errors = []
-    for use_cagrad in (False, True):
-        try:
-            if use_cagrad:
-                with cagrad.enable("eager"):
-                    build()
-            else:
-                build()
-        except Exception as e:  # noqa: BLE001 - comparing what eager raises
-            errors.append(e)
+    errors = errors_under_both(build)
     assert len(errors) == 2
     assert type(errors[0]) is type(errors[1])
     assert phrase in str(errors[0]) and phrase in str(errors[1])

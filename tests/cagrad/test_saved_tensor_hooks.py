@@ -12,16 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .conftest import compiled_without_fallback, run_both_traced, same, same_trace
-
-
-def check(build):
-    (e, et), (c, ct) = run_both_traced(build)
-    for a, b in zip(e, c):
-        same(a, b)
-    same_trace(et, ct)
-    compiled_without_fallback()
-    return et
+from .conftest import check_traced as check
 
 
 def test_saved_tensors_hooks_unpack_once_each():

@@ -132,23 +132,25 @@ def check_output_and_recompiles(fn, count=1, compiler_fn=compiler_fn, compile_fn
 # --- outputs and counts ------------------------------------------------------
 
 
-def test_basic():
-    def fn():
-        model = torch.nn.Sequential(
-            torch.nn.Linear(4, 4),
-            torch.nn.ReLU(),
-            torch.nn.Linear(4, 4),
-            torch.nn.ReLU(),
-        )
-        x = torch.randn([2, 4])
-        result = model(x).sum()
-        result.backward()
-        yield model[0].weight.grad
-        yield model[0].bias.grad
-        yield model[2].weight.grad
-        yield model[2].bias.grad
+def _two_layer_backward():
+    """One backward of a fresh Linear-ReLU-Linear-ReLU; yields its grads."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4, 4),
+        torch.nn.ReLU(),
+    )
+    x = torch.randn([2, 4])
+    result = model(x).sum()
+    result.backward()
+    yield model[0].weight.grad
+    yield model[0].bias.grad
+    yield model[2].weight.grad
+    yield model[2].bias.grad
 
-    check_output_and_recompiles(fn)
+
+def test_basic():
+    check_output_and_recompiles(_two_layer_backward)
 
 
 def test_mlp_training_step():
@@ -176,19 +178,7 @@ def test_mlp_training_step():
 def test_cache_hit():
     def fn():
         for _ in range(3):
-            model = torch.nn.Sequential(
-                torch.nn.Linear(4, 4),
-                torch.nn.ReLU(),
-                torch.nn.Linear(4, 4),
-                torch.nn.ReLU(),
-            )
-            x = torch.randn([2, 4])
-            result = model(x).sum()
-            result.backward()
-            yield model[0].weight.grad
-            yield model[0].bias.grad
-            yield model[2].weight.grad
-            yield model[2].bias.grad
+            yield from _two_layer_backward()
 
     check_output_and_recompiles(fn)
     assert cagrad.counters["cache_hits"] == 2
