@@ -14,6 +14,7 @@ See DESIGN.md for the architecture; the modules map onto it:
 ``cache``              CacheNode trie, compiled entries, fallback verdicts
 ``saved_variables``    SavedTensorHolder and SwapSavedVariables
 ``hooks_census``       finding every hook a backward would run
+``_hook_counts``       hooks the census missed, read from C++ hook lists
 ``cpp_hooks``          hooks added from C++ (DDP's reducer) and their calls
 ``host``               a GraphTask of torch's around a graph, for C++ callbacks
 ``walk``               the engine's per-node steps, for tracing and running

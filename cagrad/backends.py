@@ -51,8 +51,9 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
     ``"inductor"``, or any registered one): the graph is passed to
     ``torch.compile(gm, backend=name, dynamic=symbolic)``: a graph traced
     with dynamic sizes is compiled for any value of them (no backend
-    recompile when they change), a static one for its sizes. A callable gets
-    the graph module alone.
+    recompile when they change), a static one for its sizes (a graph with a
+    0-dim CPU tensor beside CUDA tensors is called through
+    :class:`_WithoutAliasCheck`). A callable gets the graph module alone.
 
     Raises:
         TypeError: if ``compiler_fn`` is neither.
@@ -70,7 +71,8 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
         name = compiler_fn
 
         def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
-            return torch.compile(gm, backend=name, dynamic=symbolic)
+            compiled = torch.compile(gm, backend=name, dynamic=symbolic)
+            return _WithoutAliasCheck(compiled) if _scalar_beside_cuda(gm) else compiled
 
         return compile_with_backend
     if callable(compiler_fn):
@@ -80,3 +82,50 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
         "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
         f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"
     )
+
+
+def _scalar_beside_cuda(gm: torch.fx.GraphModule) -> bool:
+    """The graph reads a 0-dim CPU tensor (a lifted scalar) and a CUDA tensor
+    from its inputs (the fake values of its ``inputs[i]`` nodes)."""
+    cpu_scalar = cuda = False
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "call_function" else None
+        if isinstance(val, torch.Tensor) and node.args and getattr(node.args[0], "name", None) == "inputs":
+            cpu_scalar |= val.device.type == "cpu" and val.dim() == 0
+            cuda |= val.device.type == "cuda"
+    return cpu_scalar and cuda
+
+
+class _WithoutAliasCheck:
+    """Calls a compiled graph with ``torch._functorch.config.
+    check_custom_op_aliasing`` off.
+
+    Why: with that check on (the default on torch 2.11), AOTAutograd runs a
+    graph's first call under a dispatch mode that checks custom ops for
+    aliasing, and in it the ``.item()`` that inductor's CUDA code calls on a
+    0-dim CPU tensor input fails ("_local_scalar_dense() Expected a value of
+    type 'Tensor' ... found type 'float'"): every backward with a lifted
+    scalar (``x * 0.25``) fell back (``compile_failed``), and torch's own
+    compiled autograd raises the same error. The check is a diagnostic for
+    custom ops, and AOTAutograd keeps it pending until a call runs with it on,
+    so it stays off on every call (about 3 us each), and only for graphs that
+    need it (:func:`_scalar_beside_cuda`). Measured on the device: H200,
+    torch 2.11.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        if not hasattr(functorch_config, "check_custom_op_aliasing"):
+            return self.fn(*args)
+        before = functorch_config.check_custom_op_aliasing
+        functorch_config.check_custom_op_aliasing = False
+        try:
+            return self.fn(*args)
+        finally:
+            functorch_config.check_custom_op_aliasing = before

@@ -198,7 +198,10 @@ class Collector:
         is_sink = schema.kind is NodeKind.ACCUMULATE_GRAD
         plan = self._plan(call, schema, is_sink)
         w.tag(_KIND_TAG[plan.kind])
-        found = self.census.hooks_of(node, is_sink) if call.needed or call.captures else None
+        found = None
+        if call.needed or call.captures:
+            found = self.census.hooks_of(node, is_sink)
+            self.census.check_invisible(node, found, call.needed, name)
         if found is not None:
             plan.hooks = self._hooks(w, found)
             self.any_opaque = True

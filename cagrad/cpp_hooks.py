@@ -20,7 +20,9 @@ that the C++ callback has one to go to.
 
 Limits (see the README's fallback table): a Reducer constructed before
 ``import cagrad`` is found by scanning live ``DistributedDataParallel``
-modules at import; hooks added from C++ by anything else are not seen.
+modules at import; hooks added from C++ by anything else are not run by
+cagrad: they are detected (:mod:`cagrad._hook_counts`) and their backward
+falls back to eager (``invisible_hooks``).
 """
 
 from __future__ import annotations

@@ -26,10 +26,19 @@ hooks registered before cagrad was imported.
 * hooks added from C++ by Python objects cagrad watches being constructed
   (DDP's ``Reducer``): see :mod:`cagrad.cpp_hooks`.
 
-Not visible: hooks added from C++ by anything else (extensions calling
-``add_post_hook``), and
-hooks registered before ``import cagrad`` on a graph that no live tensor
-reached at the import. Import cagrad before building graphs with hooks.
+Not visible here: hooks added from C++ by anything else (an extension calling
+``Node::add_pre_hook``/``add_post_hook``/``add_tensor_pre_hook``/
+``add_retains_grad_hook``, a C++ ``Tensor::register_hook`` or
+``retain_grad``), and Python hooks registered before ``import cagrad`` on a
+graph that no live tensor reached at the import. They are *detected*: before
+a backward is compiled, :meth:`Census.check_invisible` reads each node's hook
+lists in C++ (:mod:`cagrad._hook_counts`, a small extension built on first
+need) and, if a node has a hook the census did not find (or the census found
+one the node no longer has: a ``retain_grad`` moved by an in-place op), the
+whole backward runs in eager autograd with the reason ``invisible_hooks``.
+Without a C++ compiler the extension cannot be built: a warning is logged
+once and these hooks are then not detected. Import cagrad before building
+graphs with hooks.
 
 The hooks found are passed to the compiled graph at run time, so a cache
 hit calls the hooks registered now; their kinds and counts are in the key.
@@ -46,7 +55,7 @@ from typing import Any
 import torch
 import torch.autograd.function as _function
 
-from . import cpp_hooks, saved_variables
+from . import _hook_counts, cpp_hooks, saved_variables
 from .errors import Unsupported
 
 _TENSOR_HOOKS_KEY = "_cagrad_tensor_hooks"
@@ -212,11 +221,14 @@ class Census:
             so every node's notes are read.
         claim_slots: saved-tensor slots may carry foreign pack hooks, so
             each is claimed while collected (see :mod:`cagrad.saved_variables`).
+        counts: the C++ reader of a node's hook lists
+            (:mod:`cagrad._hook_counts`), or None when detection is off.
     """
 
-    __slots__ = ("probe_nodes", "tensor_hooks", "claim_slots", "cpp_hooks")
+    __slots__ = ("probe_nodes", "tensor_hooks", "claim_slots", "cpp_hooks", "counts")
 
     def __init__(self) -> None:
+        self.counts = _hook_counts.counts_fn()  # None: detection off
         self.cpp_hooks = cpp_hooks.any_live()
         self.claim_slots = saved_variables.any_foreign_hooks()
         self.probe_nodes = _node_hook_dicts.any_nonempty()
@@ -242,10 +254,35 @@ class Census:
         if self.tensor_hooks and not is_leaf_sink:
             for kind, output_nr, obj in node.metadata.get(_TENSOR_HOOKS_KEY, ()):
                 if kind == "retain_grad":
-                    if obj() is not None:
+                    tensor = obj()
+                    if tensor is not None:
+                        if tensor.grad_fn is not node:
+                            # an in-place op moved the retains-grad hook to the tensor's new grad_fn
+                            raise Unsupported(
+                                "invisible_hooks", f"{node.name()}: a retain_grad moved to another node by an in-place op"
+                            )
                         retain.append((output_nr, obj))
                 elif obj:
                     tensor_pre.append((output_nr, obj))
         if tensor_pre or retain or pre or post or post_acc or cpp_post:
             return FoundHooks(tensor_pre, retain, pre, post, post_acc, cpp_post)
         return None
+
+    def check_invisible(self, node: Any, found: FoundHooks | None, runs: bool, name: str) -> None:
+        """Raises Unsupported("invisible_hooks") if ``node`` has hooks that
+        ``found`` (from :meth:`hooks_of`) does not account for: added from
+        C++, or Python hooks the census missed (see :mod:`cagrad._hook_counts`).
+
+        Args:
+            runs: the node runs; else only its captured inputs' tensor
+                pre-hooks and retains-grad hooks are checked.
+        """
+        counts = self.counts
+        if counts is None:
+            return
+        try:
+            got = counts(node, runs)
+        except (TypeError, RuntimeError) as e:  # a node object it cannot read
+            raise Unsupported("invisible_hooks", f"cannot read the hooks of {name}: {e}") from e
+        if got is not None or found is not None:
+            _hook_counts.check(got, node, found, runs, name, _TENSOR_HOOKS_KEY)

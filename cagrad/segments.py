@@ -249,6 +249,7 @@ def _segment(
 ) -> Segment:
     inside = {n.name for n in nodes}
     in_names: list[str] = []
+    in_nodes: dict[str, torch.fx.Node] = {}
     sizes_used: list[str] = []
     for node in nodes:
         for a in node.all_input_nodes:
@@ -257,6 +258,7 @@ def _segment(
                     sizes_used.append(a.name)
             elif a.name not in inside and a.name not in in_names:
                 in_names.append(a.name)
+                in_nodes[a.name] = a
     out_names = [n.name for n in nodes if n.name in needed]
     graph = torch.fx.Graph()
     ph = {name: graph.placeholder(name) for name in PLACEHOLDERS}
@@ -266,6 +268,8 @@ def _segment(
         env[name] = graph.call_function(operator.getitem, (ph["sizes"], size_reads[name]))
     for i, name in enumerate(in_names):
         env[name] = graph.call_function(operator.getitem, (ph["inputs"], i))
+        if "val" in in_nodes[name].meta:  # its fake value, for what the backend wrapper reads
+            env[name].meta["val"] = in_nodes[name].meta["val"]
     for node in nodes:
         env[node.name] = graph.node_copy(node, lambda a: env[a.name])
     graph.output([env[n] for n in out_names])
@@ -388,12 +392,12 @@ def run(
             args = [env[n] for n in step.in_names]
             try:
                 outs = step.fn(args, sizes, [], [], [])
-            except Exception:
+            except Exception as e:
                 if step.calls:
                     raise
                 # the first call compiles; a backend failure runs the
                 # segment's own graph instead (the same aten ops, in order)
-                log.warning("cagrad: a graph segment failed to compile; running it uncompiled")
+                log.warning("cagrad: a graph segment failed to compile; running it uncompiled (%s: %s)", type(e).__name__, e)
                 counters.bump("segment_compile_failures")
                 step.fn = step.graph_module
                 outs = step.fn(args, sizes, [], [], [])

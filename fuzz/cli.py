@@ -30,9 +30,9 @@ EXIT_CLEAN, EXIT_DIVERGENCE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 def _split(text: str | None) -> list[str] | None:
     if text is None:
         return None
-    from fuzz.reproducer import _split_subjects
+    from harness.subjects import split_names
 
-    return _split_subjects(text)
+    return split_names(text)
 
 
 def _quiet_warnings() -> None:

@@ -179,23 +179,7 @@ def run_reproducer(
         print(program.source(), end="")
         return 0
     if args.subjects:
-        subjects, plugins = [s.strip() for s in _split_subjects(args.subjects)], []
+        from harness.subjects import split_names
+
+        subjects, plugins = split_names(args.subjects), []
     return replay(program, list(subjects), list(plugins), args.device or devices, as_json=args.json)
-
-
-def _split_subjects(text: str) -> list[str]:
-    """Splits on commas outside brackets: ``a[x,dynamic],b`` -> two names."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur)
-    return [s.strip() for s in out if s.strip()]

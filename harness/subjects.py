@@ -47,6 +47,10 @@ class Subject:
 
     name: str = "eager"
     backend: str | None = None
+    #: A peer is an engine the harness compares against eager for
+    #: information (torch's own compiled autograd): its failures are
+    #: reported, but they do not fail a suite that tests cagrad.
+    peer: bool = False
 
     def prepare(self) -> None:
         """Called once per :func:`~harness.runner.run_differential`, before
@@ -208,6 +212,8 @@ class TorchCompiledAutogradSubject(Subject):
     graphs). Torch's compiled autograd has no fallback counter.
     """
 
+    peer = True
+
     def __init__(self, backend: str = "eager", dynamic: bool | None = None) -> None:
         self.backend = backend
         self.dynamic = dynamic
@@ -283,6 +289,22 @@ def counter_deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple
 _NAME = re.compile(r"^(?P<family>[a-z_]+)(?:\[(?P<backend>[A-Za-z0-9_.\-]+)(?:,(?P<mode>dynamic|static))?\])?$")
 
 _FAMILIES = {"cagrad": CagradSubject, "torch_ca": TorchCompiledAutogradSubject}
+
+
+def split_names(text: str) -> list[str]:
+    """Comma-separated subject names, commas inside brackets kept:
+    ``"cagrad[aot_eager,dynamic], eager"`` -> ``["cagrad[aot_eager,dynamic]",
+    "eager"]`` (blank items dropped, each stripped)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [s.strip() for s in out if s.strip()]
 
 
 def make_subject(name: str) -> Subject:

@@ -72,3 +72,21 @@ def test_model_trains_like_eager_on_cuda(name, backend):
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["captures"] == 1
     assert cagrad.counters["cache_hits"] == 2
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("scale", [0.25, 4])
+def test_lifted_scalar_beside_cuda_tensors_compiles_under_inductor(scale):
+    """A Python scalar in a backward formula (``x.sin() * scale``, the 1/n of
+    gradient accumulation) is lifted as a 0-dim CPU tensor; inductor's CUDA
+    code reads it with ``.item()``, which fails under AOTAutograd's first-call
+    custom-op aliasing check on torch 2.11 (see cagrad/backends.py). It must
+    compile, and stay compiled when the scalar changes."""
+    x = torch.randn(64, device="cuda", requires_grad=True)
+    for step in range(3):
+        x.grad = None
+        with cagrad.enable("inductor"):
+            (x.sin() * (scale + step)).sum().backward()
+        torch.testing.assert_close(x.grad, x.detach().cos() * (scale + step), **TOL)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert cagrad.counters["captures"] == 1 and cagrad.counters["cache_hits"] == 2

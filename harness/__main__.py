@@ -1,0 +1,21 @@
+"""``python -m harness <command>``: the harness's command line.
+
+Commands: ``stacks`` (:mod:`harness.stacks.cli`).
+"""
+
+from __future__ import annotations
+
+import click
+
+from harness.stacks.cli import stacks
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """The differential harness of cagrad."""
+
+
+main.add_command(stacks)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""cagrad/backends.py: the call wrapper for graphs that read a lifted scalar
+beside CUDA tensors (their end-to-end test needs a GPU:
+tests/test_models_cuda.py::test_lifted_scalar_beside_cuda_tensors_compiles_under_inductor).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cagrad
+from cagrad import backends
+
+
+def _graph(*devices_and_shapes):
+    """A graph shaped like cagrad's: ``inputs[i]`` reads with fake values."""
+    graph = torch.fx.Graph()
+    inputs = graph.placeholder("inputs")
+    reads = []
+    with FakeTensorMode():
+        for i, (device, shape) in enumerate(devices_and_shapes):
+            node = graph.call_function(operator.getitem, (inputs, i))
+            node.meta["val"] = torch.empty(shape, device=device)
+            reads.append(node)
+    graph.output(reads)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    "inputs, expected",
+    [
+        ([("cuda", (4,)), ("cpu", ())], True),  # x * 0.25 on CUDA
+        ([("cuda", (4,)), ("cpu", (1,))], False),  # a CPU tensor, not a scalar
+        ([("cpu", (4,)), ("cpu", ())], False),  # CPU only: no .item() in the code
+        ([("cuda", (4,)), ("cuda", ())], False),
+    ],
+)
+def test_scalar_beside_cuda_is_read_from_the_fake_inputs(inputs, expected):
+    assert backends._scalar_beside_cuda(_graph(*inputs)) is expected
+
+
+def test_without_alias_check_turns_the_check_off_for_the_call_only():
+    if not hasattr(functorch_config, "check_custom_op_aliasing"):
+        pytest.skip("this torch has no check_custom_op_aliasing")
+    seen = []
+    wrapped = backends._WithoutAliasCheck(lambda *args: seen.append(functorch_config.check_custom_op_aliasing) or args)
+    before = functorch_config.check_custom_op_aliasing
+    assert wrapped(1, 2) == (1, 2)
+    assert seen == [False] and functorch_config.check_custom_op_aliasing == before
+
+    def boom(*args):
+        raise ValueError("backend error")
+
+    with pytest.raises(ValueError):
+        backends._WithoutAliasCheck(boom)()
+    assert functorch_config.check_custom_op_aliasing == before
+
+
+def test_segments_keep_the_fake_values_of_their_inputs(monkeypatch):
+    """A segmented graph's segments read their inputs through new nodes that
+    carry the fake values (what _scalar_beside_cuda reads)."""
+    graphs = []
+    real = backends._scalar_beside_cuda
+    monkeypatch.setattr(backends, "_scalar_beside_cuda", lambda gm: graphs.append(gm) or real(gm))
+    cagrad.reset()
+    x = torch.randn(4, requires_grad=True)
+    y = x.sin() * 0.25
+    y.register_hook(lambda g: g * 2)  # an opaque call: two segments
+    with cagrad.enable("aot_eager"):
+        (y * 3).sum().backward()
+    assert cagrad.counters["fallbacks"] == 0 and len(graphs) == 2
+    for gm in graphs:
+        reads = [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.args[0], "name", "") == "inputs"]
+        assert reads and all(isinstance(n.meta.get("val"), torch.Tensor) for n in reads)
+    torch.testing.assert_close(x.grad, x.detach().cos() * 0.25 * 2 * 3)

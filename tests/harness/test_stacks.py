@@ -1,0 +1,318 @@
+"""The stacks suite (harness/stacks): training-step programs under eager and
+cagrad, compared; the compare layer on planted failures; the CLI.
+
+Stacks whose cagrad support is still being written are asserted to match
+all the same: they pass when it lands. Distributed stacks spawn 2 ranks on
+127.0.0.1 (gloo) and are bounded by the suite's per-run timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from harness.outcome import ErrorInfo
+from harness.stacks import (
+    RankRun,
+    StackContext,
+    StackRun,
+    StackStatus,
+    get,
+    judge,
+    register,
+    run_stack,
+    run_stacks,
+)
+from harness.stacks.cli import stacks as stacks_command
+from harness.subjects import EagerSubject, make_subject
+
+CPU = torch.device("cpu")
+TIMEOUT_S = 120.0
+
+LOCAL = [
+    "mlp_sgd",
+    "grad_accumulation",
+    "checkpoint_nonreentrant",
+    "checkpoint_reentrant",
+    "selective_checkpoint",
+    "queue_callback",
+    "double_backward",
+    "sparse_embedding",
+    "threads",
+]
+
+
+def only(stack: str, subject, **kwargs):
+    """The one outcome of ``subject`` on ``stack`` (CPU)."""
+    subject = make_subject(subject) if isinstance(subject, str) else subject
+    (outcome,) = run_stack(get(stack), [subject], CPU, **kwargs)
+    return outcome
+
+
+def assert_match(outcome) -> None:
+    where = f"{outcome.stack} / {outcome.subject}"
+    assert outcome.status is StackStatus.MATCH, f"{where}: {outcome.status}: {outcome.describe()}"
+
+
+@pytest.mark.parametrize("subject", ["cagrad[eager]", "cagrad[aot_eager]"])
+@pytest.mark.parametrize("stack", LOCAL)
+def test_local_stack_matches_eager(stack, subject):
+    outcome = only(stack, subject)
+    assert_match(outcome)
+    # every backward went through cagrad: at least one graph, no fallback
+    assert outcome.counts.get("captures", 0) >= 1, outcome.counts
+    assert outcome.counts.get("fallbacks", 0) == 0, outcome.fallback_reasons
+
+
+@pytest.mark.inductor
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit deprecation inside inductor
+def test_mlp_sgd_matches_eager_under_inductor():
+    outcome = only("mlp_sgd", "cagrad[inductor]")
+    assert_match(outcome)
+    assert outcome.counts["captures"] == 1 and outcome.counts["cache_hits"] == 2
+
+
+DISTRIBUTED = [
+    "ddp_default",
+    "ddp_static_graph",
+    "ddp_find_unused",
+    "ddp_no_sync",
+    "fsdp2",
+    "fsdp2_no_reshard",
+    "fsdp2_grad_accumulation",
+]
+
+
+@pytest.mark.parametrize("stack", DISTRIBUTED)
+def test_distributed_stack_matches_eager_on_every_rank(stack):
+    outcome = only(stack, "cagrad[eager]", timeout=TIMEOUT_S)
+    assert_match(outcome)
+    assert outcome.counts.get("captures", 0) >= 1 and outcome.counts.get("fallbacks", 0) == 0, outcome.counts
+
+
+def test_cuda_stack_is_skipped_with_a_reason_on_cpu():
+    outcome = only("amp_grad_scaler", "cagrad[eager]")
+    assert outcome.status is StackStatus.SKIPPED and outcome.ok
+    assert "CUDA" in outcome.skip_reason
+
+
+# ---------------------------------------------------------------- planted failures
+
+
+class PerturbOneGrad(EagerSubject):
+    """Test-only: eager autograd, then adds ``delta`` to element 0 of the
+    ``.grad`` of every leaf of shape ``shape`` the backward reached (through
+    a wrapper around ``Variable._execution_engine``)."""
+
+    def __init__(self, shape: tuple[int, ...], delta: float = 0.25) -> None:
+        super().__init__("perturb_one_grad")
+        self.shape, self.delta = shape, delta
+
+    @contextlib.contextmanager
+    def active(self):
+        variable = torch.autograd.Variable
+        inner = variable._execution_engine
+        subject = self
+
+        class Engine:
+            def run_backward(self, roots, *args, **kwargs):
+                leaves = subject.leaves(roots)
+                result = inner.run_backward(roots, *args, **kwargs)
+                with torch.no_grad():
+                    for leaf in leaves:
+                        leaf.grad.view(-1)[0] += subject.delta
+                return result
+
+            def queue_callback(self, cb):
+                return inner.queue_callback(cb)
+
+        variable._execution_engine = Engine()
+        try:
+            yield
+        finally:
+            variable._execution_engine = inner
+
+    def leaves(self, roots):
+        seen, out = set(), []
+        stack = [r.grad_fn for r in roots if getattr(r, "grad_fn", None) is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            var = getattr(node, "variable", None)
+            if var is not None and tuple(var.shape) == self.shape:
+                out.append(var)
+            stack.extend(fn for fn, _ in node.next_functions)
+        return out
+
+
+class RaisesOnEntry(EagerSubject):
+    """Test-only: its engine raises ``exc`` where the stack enters it."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__("raises_on_entry")
+        self.exc = exc
+
+    @contextlib.contextmanager
+    def active(self):
+        raise self.exc
+        yield  # pragma: no cover
+
+
+@register("test_raises_value_error", "test-only: one backward, then a ValueError")
+def _raises_value_error(ctx: StackContext) -> None:
+    w = torch.ones(3, requires_grad=True)
+    with ctx.engine():
+        (w * 2).sum().backward()
+    ctx.record("w.grad", w.grad)
+    raise ValueError("planted by the stack")
+
+
+def test_planted_mismatch_is_named_and_measured():
+    # mlp_sgd's middle Linear(16, 16) is the only (16, 16) leaf
+    outcome = only("mlp_sgd", PerturbOneGrad((16, 16), delta=0.25))
+    assert outcome.status is StackStatus.MISMATCH and not outcome.ok
+    assert outcome.first_differing == "step0.grad.2.weight"
+    assert outcome.mismatches[0].max_abs == pytest.approx(0.25, rel=1e-4)
+    assert outcome.max_abs >= outcome.mismatches[0].max_abs
+    assert "step0.grad.2.weight" in outcome.describe() and "max abs diff" in outcome.describe()
+    # in the first step only that grad and the parameter SGD updated with it
+    # differ (later steps start from the changed parameter)
+    first_step = {m.where for m in outcome.mismatches if m.where.startswith("step0.")}
+    assert first_step == {"step0.grad.2.weight", "step0.param.2.weight"}
+
+
+def test_planted_error_is_reported_with_type_and_message():
+    outcome = only("mlp_sgd", RaisesOnEntry(RuntimeError("planted engine failure")))
+    assert outcome.status is StackStatus.ERROR and outcome.eager_error is None
+    assert outcome.error.type == "RuntimeError" and outcome.error.message == "planted engine failure"
+    assert outcome.describe() == "RuntimeError: planted engine failure"
+
+
+def test_same_exception_as_eager_is_a_match_and_another_is_an_error():
+    same = only("test_raises_value_error", "cagrad[eager]")
+    assert same.status is StackStatus.MATCH and same.eager_error.type == "ValueError"
+    assert "both raised ValueError" in same.describe()
+    other = only("test_raises_value_error", RaisesOnEntry(TypeError("not eager's")))
+    assert other.status is StackStatus.ERROR and other.error.type == "TypeError"
+
+
+def test_compiled_subject_that_never_enters_its_engine_is_an_error():
+    from harness.stacks.stack import Stack
+
+    forgetful = Stack("forgetful", "never enters the engine", lambda ctx: ctx.record("x", torch.ones(1)))
+    (outcome,) = run_stack(forgetful, [make_subject("cagrad[eager]")], CPU)
+    assert outcome.status is StackStatus.ERROR and outcome.error.type == "EngineNotEntered"
+
+
+@register("test_rank1_hangs", "test-only: rank 1 hangs under any subject but eager", world_size=2)
+def _rank1_hangs(ctx: StackContext) -> None:
+    w = torch.ones(3, requires_grad=True)
+    with ctx.engine():
+        (w * (ctx.rank + 1)).sum().backward()
+    ctx.record("w.grad", w.grad)
+    if ctx.rank == 1 and ctx.subject.name != "eager":
+        time.sleep(3600)
+
+
+def test_a_rank_that_hangs_is_killed_and_reported():
+    start = time.monotonic()
+    outcome = only("test_rank1_hangs", "cagrad[eager]", timeout=10)
+    assert outcome.status is StackStatus.ERROR
+    assert outcome.error.type == "TimeoutError" and outcome.error.message.startswith("rank 1: did not report")
+    assert time.monotonic() - start < 120
+
+
+def test_ranks_are_judged_one_by_one():
+    def run(*values, error=None):
+        ranks = [RankRun(results={"step0.grad.w": torch.tensor([v])}) for v in values]
+        if error is not None:
+            ranks[1].error = error
+        return StackRun(ranks=ranks, engine_entries=1, counts={"captures": 1})
+
+    subject = make_subject("cagrad[eager]")
+    reference = run(1.0, 2.0)
+    assert judge("s", subject, CPU, reference, run(1.0, 2.0)).status is StackStatus.MATCH
+    # each rank against its own reference: rank 1's value on rank 0 is a mismatch
+    swapped = judge("s", subject, CPU, reference, run(2.0, 1.0))
+    assert swapped.status is StackStatus.MISMATCH
+    assert [m.where for m in swapped.mismatches] == ["rank0/step0.grad.w", "rank1/step0.grad.w"]
+    failed = judge("s", subject, CPU, reference, run(1.0, 2.0, error=ErrorInfo("TimeoutError", "late", "")))
+    assert failed.status is StackStatus.ERROR and failed.error.message == "rank 1: late"
+    assert failed.counts == {"captures": 1}
+
+
+def test_compute_dtype_judges_floats_with_the_lower_precision_tolerance():
+    # a float32 grad that went through float16 matmuls, rounded elsewhere by a fusing backend
+    subject = make_subject("cagrad[inductor]")
+    reference = StackRun(ranks=[RankRun(results={"g": torch.tensor([1.0, 2.0])})], engine_entries=1)
+    got = StackRun(ranks=[RankRun(results={"g": torch.tensor([1.0, 2.001])})], engine_entries=1)
+    assert judge("s", subject, CPU, reference, got).status is StackStatus.MISMATCH
+    assert judge("s", subject, CPU, reference, got, compute_dtype=torch.float16).status is StackStatus.MATCH
+    assert get("amp_grad_scaler").compute_dtype is torch.float16
+
+
+def test_report_json_is_strict_and_names_every_pair():
+    report = run_stacks([get("mlp_sgd"), get("amp_grad_scaler")], ["eager", PerturbOneGrad((16, 16))], "cpu")
+    data = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert not data["ok"] and data["subjects"] == ["eager", "perturb_one_grad"]
+    pairs = {(o["stack"], o["subject"]): o for o in data["outcomes"]}
+    assert pairs["mlp_sgd", "eager"]["status"] == "match"
+    assert pairs["mlp_sgd", "perturb_one_grad"]["first_differing"] == "step0.grad.2.weight"
+    assert pairs["amp_grad_scaler", "eager"]["status"] == "skipped"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_list_names_every_stack():
+    result = CliRunner().invoke(stacks_command, ["--list"])
+    assert result.exit_code == 0, result.output
+    names = [line.split()[0] for line in result.output.splitlines()]
+    for name in LOCAL + ["amp_grad_scaler", *DISTRIBUTED]:
+        assert name in names
+
+
+def test_cli_exit_status_and_json(tmp_path):
+    out = tmp_path / "report.json"
+    ok = CliRunner().invoke(stacks_command, ["--stacks", "mlp_sgd", "--subjects", "eager", "--json", str(out)])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(out.read_text())["ok"] is True
+    # a backend cagrad does not know makes cagrad.enable raise: an error, exit 1
+    bad = CliRunner().invoke(stacks_command, ["--stacks", "mlp_sgd", "--subjects", "cagrad[no_such_backend]"])
+    assert bad.exit_code == 1, bad.output
+    assert "error" in bad.output
+    usage = CliRunner().invoke(stacks_command, ["--stacks", "no_such_stack"])
+    assert usage.exit_code == 2 and "unknown stack" in usage.output
+
+
+def test_a_fallback_on_a_stack_that_must_compile_is_a_failure():
+    subject = make_subject("cagrad[eager]")
+    reference = StackRun(ranks=[RankRun(results={"g": torch.tensor([1.0])})], engine_entries=1)
+    got = StackRun(
+        ranks=[RankRun(results={"g": torch.tensor([1.0])})],
+        engine_entries=1,
+        counts={"captures": 0, "fallbacks": 1},
+        fallback_reasons={"invisible_hooks": 1},
+    )
+    fell_back = judge("s", subject, CPU, reference, got)
+    assert fell_back.status is StackStatus.FELL_BACK and not fell_back.ok
+    assert "invisible_hooks x1" in fell_back.describe()
+    assert judge("s", subject, CPU, reference, got, expect_compiled=False).status is StackStatus.MATCH
+
+
+def test_a_peer_failure_is_reported_and_does_not_fail_the_suite():
+    peer = make_subject("torch_ca[eager]")
+    assert peer.peer and not make_subject("cagrad[eager]").peer
+    reference = StackRun(ranks=[RankRun(results={"g": torch.tensor([1.0])})], engine_entries=1)
+    got = StackRun(ranks=[RankRun(results={"g": torch.tensor([2.0])})], engine_entries=1)
+    outcome = judge("s", peer, CPU, reference, got)
+    assert outcome.status is StackStatus.MISMATCH and outcome.peer and outcome.ok
+    cagrad_outcome = judge("s", make_subject("cagrad[eager]"), CPU, reference, got)
+    assert not cagrad_outcome.ok
