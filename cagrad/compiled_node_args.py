@@ -199,7 +199,10 @@ class Collector:
         plan = self._plan(call, schema, is_sink)
         w.tag(_KIND_TAG[plan.kind])
         found = None
-        if call.needed or call.captures:
+        # with inputs=, the engine reaches a node that does not run only when
+        # it is the root itself (one root edge: no GraphRoot); it still runs
+        # that node's tensor pre-hooks (evaluate_function), so list them
+        if call.needed or call.captures or call.id == 0:
             found = self.census.hooks_of(node, is_sink)
             self.census.check_invisible(node, found, call.needed, name)
         if found is not None:

@@ -9,6 +9,8 @@
     python -m fuzz ops                             # the op catalog
     python -m fuzz campaign --budget 60 --out o --ops 'fn_sin_scale,slice_mul_,sin' --no-hooks
     python -m fuzz campaign --budget 60 --out o --no-shapes   # no size sequences
+    python -m fuzz campaign --budget 3600 --seed 7 --shard 2/4 --out shard2   # one of 4 machines
+    python -m fuzz merge shard1 shard2 shard3 shard4 --out merged
 
 Exit status: 0 clean, 1 divergence found (campaign) or reproduced (replay),
 2 usage or I/O error, 3 internal error of the fuzzer, 130 campaign
@@ -17,6 +19,7 @@ interrupted.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 import warnings
@@ -97,9 +100,45 @@ def main() -> None:
     show_default=True,
     help="Time to shrink one new divergence (may run past the budget).",
 )
-@click.option("--round-size", type=click.IntRange(min=1), default=1000, show_default=True, help="Programs per Hypothesis run.")
+@click.option(
+    "--round-size",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Programs per round (one Hypothesis run; the unit of parallelism and shards).",
+)
 @click.option("--max-programs", type=click.IntRange(min=1), help="Stop after this many programs, budget or not.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a live progress bar.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=os.cpu_count() or 1,
+    show_default="the machine's cores",
+    help="Worker processes; a worker that crashes or hangs is recorded and replaced.",
+)
+@click.option(
+    "--timeout",
+    "timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds one program may run before it is recorded as a timeout.",
+)
+@click.option("--shard", help="K/N: run the K-th of N disjoint shares of the campaign's rounds (merge them with 'merge').")
+@click.option("--rounds", type=click.IntRange(min=1), help="Run only the campaign's rounds 0..ROUNDS-1 (before sharding).")
+@click.option(
+    "--known",
+    default="default",
+    show_default="the shipped fuzz/known_issues.toml",
+    help="Known-issues file (TOML or JSON): matching divergences are counted, not failures; 'none' for none.",
+)
+@click.option(
+    "--neighbours",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Neighbour programs run in the same cagrad state after an agreeing one (wrong cache hits).",
+)
 def campaign(
     budget: float,
     seed: int,
@@ -120,6 +159,12 @@ def campaign(
     round_size: int,
     max_programs: int | None,
     progress: bool,
+    workers: int,
+    timeout: float,
+    shard: str | None,
+    rounds: int | None,
+    known: str,
+    neighbours: int,
 ) -> None:
     """Fuzz until the budget ends; write report.json and reproducers under OUT.
 
@@ -127,7 +172,7 @@ def campaign(
     2 usage or I/O error, 3 internal error, 130 interrupted (run the same
     command to resume).
     """
-    from fuzz.campaign import Campaign, CampaignConfig, CampaignError
+    from fuzz.campaign import Campaign, CampaignConfig, CampaignError, parse_shard
     from fuzz.ir import DTYPES, MODES
     from fuzz.strategies import GenConfig
 
@@ -151,6 +196,12 @@ def campaign(
         gen.op_names()
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--ops") from None
+    try:
+        shard_kn = parse_shard(shard) if shard is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shard") from None
+    if known != "none" and known != "default" and not Path(known).is_file():
+        raise click.BadParameter(f"known-issues file {known!r} does not exist", param_hint="--known")
     config = CampaignConfig(
         budget_s=budget,
         seed=seed,
@@ -163,6 +214,12 @@ def campaign(
         round_size=round_size,
         progress=progress,
         max_programs=max_programs,
+        workers=workers,
+        timeout_s=timeout,
+        shard=shard_kn,
+        rounds=rounds,
+        known=None if known == "none" else known,
+        neighbours=neighbours,
     )
     try:
         code = Campaign(config).run()
@@ -204,11 +261,13 @@ def replay(
     recorded_subjects: list[str] = []
     recorded_plugins: list[str] = []
     recorded_devices: list[str] | None = None
+    recorded_neighbours = 0
     try:
         if file.suffix == ".py":
             rec = read_reproducer(file)
             program = rec["program"]
             recorded_subjects, recorded_plugins, recorded_devices = rec["subjects"], rec["plugins"], rec["devices"]
+            recorded_neighbours = rec["neighbours"]
         else:
             program = Program.from_json(file.read_text())
     except (IRError, ValueError, SyntaxError, OSError) as e:
@@ -228,8 +287,33 @@ def replay(
         list(devices) or recorded_devices,
         echo=click.echo,
         as_json=as_json,
+        neighbours=recorded_neighbours,
     )
     sys.exit(code)
+
+
+@main.command()
+@click.argument("outs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Directory for the merged report.")
+def merge(outs: tuple[Path, ...], out: Path) -> None:
+    """Merge campaign outputs OUTS (shards of one campaign, or any campaigns)
+    into OUT: counts added, failures deduplicated by signature.
+
+    Exit status: 0 no failure in any, 1 failure(s), 2 unreadable input.
+    """
+    from fuzz.merge import MergeError, merge_outputs
+
+    try:
+        report = merge_outputs(list(outs), out)
+    except MergeError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    click.echo(
+        f"merged {len(outs)} campaign output(s): {report['programs_run']} programs, "
+        f"{len(report['failures'])} failure(s), {sum(k['count'] for k in report['known'])} known; "
+        f"report: {out / 'report.json'}"
+    )
+    sys.exit(report["exit_status"])
 
 
 @main.command("ops")
@@ -250,6 +334,10 @@ def list_ops() -> None:
         table.add_row(spec.name, spec.category, spec.arity_text(), Text(attrs), Text(notes))
     Console().print(table)
 
+
+from fuzz.report.cli import report  # noqa: E402  (the command lives in its own sub-package)
+
+main.add_command(report)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -183,6 +183,15 @@ class ValueInfo:
     ``is_leaf``: the tensor is a leaf (a leaf itself, or an op that returned
     a leaf unchanged, like ``x.to(x.dtype)``); ``fresh``: a newly allocated
     tensor that is not a view of anything (in-place ops may write to it).
+
+    The view model (what eager allows after an in-place op, see
+    :func:`inplace_conflicts`): ``base`` is the value whose memory this
+    tensor shares, resolved through views and ops that return their input
+    (torch's ``._base``, or the tensor itself); empty for a value that owns
+    its memory (:attr:`memory` is then its own ref). ``multi_view``: a view
+    made by a multi-output view op (``split``, ``unbind``), or a view of one;
+    torch forbids using such a view, or modifying it, once its base was
+    modified in place.
     """
 
     ref: str
@@ -191,6 +200,13 @@ class ValueInfo:
     requires_grad: bool
     is_leaf: bool = False
     fresh: bool = False
+    base: str = ""
+    multi_view: bool = False
+
+    @property
+    def memory(self) -> str:
+        """The ref of the value that owns this tensor's memory."""
+        return self.base or self.ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,6 +587,14 @@ def validate(program: Program) -> dict[str, ValueInfo]:
                     f"{where}.inputs[{j}]",
                     f"{op.op}: {info.ref!r} may be a view overlapping the written tensor; use a fresh value or a leaf",
                 )
+            stale = inplace_conflicts(infos[0], values)
+            _expect(
+                not stale,
+                f"{where}.inputs[0]",
+                f"{op.op} writes into {infos[0].ref!r} in place, but {stale[0] if stale else ''!r} is a view of it "
+                "made by a multi-output view op (split, unbind): eager rejects such a view once its base is "
+                "modified in place",
+            )
         if spec.multi_output:
             multi[op.name] = len(outs)
         for info in outs:
@@ -715,16 +739,47 @@ def infer_outputs(spec: Any, name: str, attrs: Mapping[str, Any], infos: Sequenc
     out_shapes = spec.infer(shapes, attrs)
     out_dtype = spec.out_dtype(dtypes, attrs, shapes)
     rg = spec.differentiable and any(info.requires_grad for j, info in enumerate(infos) if j not in spec.nondiff_inputs)
-    if spec.is_identity(shapes, dtypes, attrs):
-        first = infos[0]
-        return [ValueInfo(name, tuple(out_shapes[0]), out_dtype, rg, is_leaf=first.is_leaf, fresh=first.fresh)]
+    first = infos[0] if infos else None
+    if first is not None and spec.is_identity(shapes, dtypes, attrs):
+        return [
+            ValueInfo(
+                name,
+                tuple(out_shapes[0]),
+                out_dtype,
+                rg,
+                is_leaf=first.is_leaf,
+                fresh=first.fresh,
+                base=first.memory,
+                multi_view=first.multi_view,
+            )
+        ]
     fresh = spec.is_fresh(attrs)
+    # a view (or split output) shares its first input's memory; a
+    # multi-output view op taints its outputs and every view of them
+    shares = first is not None and spec.category in ("view", "split")
+    base = first.memory if shares and first is not None else ""
+    multi = shares and first is not None and (spec.category == "split" or first.multi_view)
     if spec.multi_output:
         return [
-            ValueInfo(f"{name}:{k}", tuple(shape), out_dtype, rg, is_leaf=not rg, fresh=fresh)
+            ValueInfo(f"{name}:{k}", tuple(shape), out_dtype, rg, is_leaf=not rg, fresh=fresh, base=base, multi_view=multi)
             for k, shape in enumerate(out_shapes)
         ]
-    return [ValueInfo(name, tuple(out_shapes[0]), out_dtype, rg, is_leaf=not rg, fresh=fresh)]
+    return [ValueInfo(name, tuple(out_shapes[0]), out_dtype, rg, is_leaf=not rg, fresh=fresh, base=base, multi_view=multi)]
+
+
+def inplace_conflicts(written: ValueInfo, values: Mapping[str, ValueInfo]) -> list[str]:
+    """The refs among ``values`` (the values made before an in-place op)
+    that eager would reject once ``written`` is modified in place: views of
+    its memory made by a multi-output view op (``split``, ``unbind``, or a
+    view of their outputs). Using one afterwards (as an op input, a root, a
+    hook target, ``inputs=``, or even reading ``is_leaf``) raises "... is a
+    view and its base or another view of its base has been modified
+    inplace", and so does eager's backward when an op saved one before; so
+    the model never writes into such a base. Views made by single-output
+    ops (``slice``, ``view``, ...) stay usable: autograd regenerates their
+    ``grad_fn``."""
+    memory = written.memory
+    return [ref for ref, v in values.items() if v.multi_view and v.memory == memory]
 
 
 def _jsonable(x: Any) -> Any:
@@ -753,6 +808,7 @@ __all__ = [
     "check_hook",
     "check_resizes",
     "infer_outputs",
+    "inplace_conflicts",
     "validate",
 ]
 

@@ -172,7 +172,8 @@ class OpSpec:
     # ``inplace_first`` op. Views and split outputs never are.
     fresh_output: Callable[[Mapping[str, Any]], bool] | bool = True
     # The op modifies its first input in place: that input must be fresh and
-    # require grad (so no leaf and no view of one is ever written to).
+    # require grad (so no leaf and no view of one is ever written to), and
+    # no split/unbind view of it may exist (fuzz.ir.inplace_conflicts).
     inplace_first: bool = False
     # Generated about a quarter as often as the others.
     rare: bool = False

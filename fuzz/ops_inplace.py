@@ -20,7 +20,9 @@ earlier op saved is ever modified. The op's value is ``y`` (the base, whose
 itself (whose ``grad_fn`` autograd regenerates from the base).
 
 ``mul_inplace`` (``x.mul_(t)``) does write into an earlier value: ``x`` must
-be a fresh (non-view) op output that requires grad, never a leaf. When an
+be a fresh (non-view) op output that requires grad, never a leaf, and never
+a tensor that ``split``/``unbind`` made views of (eager rejects those views
+once their base is modified: :func:`fuzz.ir.inplace_conflicts`). When an
 earlier op saved ``x`` for its backward, eager's backward raises ("modified
 by an inplace operation") and so must every subject: an error-parity test.
 It is ``rare``: generated a quarter as often as other ops.

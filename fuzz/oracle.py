@@ -14,6 +14,19 @@ Subjects are harness subject names (``"cagrad[aot_eager]"``) or *plugins*:
 arguments), or a callable returning one or a list of them. Plugins let a
 campaign check an engine the harness does not name; the tests use one to
 inject a known divergence.
+
+Cache soundness (``Oracle(neighbours=N)``): after a program agrees with
+eager under a cagrad subject, up to ``N`` neighbours
+(:func:`fuzz.neighbours.derive`: one change each, derived from the program
+alone) run under that subject in the same cagrad state, no reset in
+between, each checked against eager. One that differs is run again in a
+fresh state: if that run agrees with eager, the first was a wrong cache hit,
+reported as a ``mismatch`` of kind ``cache`` (its first mismatch is at
+``"cache"`` and names the neighbour's change); if it differs too, it is an
+ordinary divergence of the neighbour (its mismatches name the neighbour).
+Either replaces the subject's outcome for the program, so the program is
+what the campaign shrinks (the neighbours are re-derived from each
+candidate), and a reproducer with ``NEIGHBOURS`` replays the sequence.
 """
 
 from __future__ import annotations
@@ -26,9 +39,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import harness
 from fuzz.interpret import IRProgram
 from fuzz.ir import Program
+from fuzz.neighbours import Neighbour, derive
+from harness.runner import size_variants
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -57,9 +74,12 @@ def mismatch_kind(m: harness.Mismatch | None) -> str:
     """``value`` (numbers differ), ``meta`` (None versus a tensor, shape,
     dtype), ``trace`` (hook trace), ``unexpected-success`` (eager raised) or
     ``captures`` (a size sequence's captures break cagrad's rule, see
-    :mod:`harness.capture_rule`)."""
+    :mod:`harness.capture_rule`) or ``cache`` (a neighbour program got a
+    wrong cache hit, see :class:`Oracle`)."""
     if m is None:
         return "value"
+    if m.where == "cache":
+        return "cache"
     if m.where == "captures":
         return "captures"
     if m.where == "exception":
@@ -81,14 +101,51 @@ def failure_key(outcome: harness.Outcome) -> FailureKey:
 
 
 @dataclasses.dataclass
+class NeighbourCheck:
+    """One neighbour run after the program under one subject on one device.
+
+    Attributes:
+        subject, device: where it ran.
+        index: 1-based position in the sequence; ``kind``, ``label``: what
+            changed (:class:`fuzz.neighbours.Neighbour`).
+        status: ``equal`` (agreed with eager), ``cache`` (differed after the
+            program, agreed in a fresh state: a wrong cache hit),
+            ``diverged`` (differed in a fresh state too) or ``skipped`` (it
+            does not build under eager).
+        hit: the run after the program was a cache hit (``cache_hits`` > 0).
+        detail: what differed (empty when equal).
+    """
+
+    subject: str
+    device: str
+    index: int
+    kind: str
+    label: str
+    status: str
+    hit: bool = False
+    detail: str = ""
+
+    def text(self) -> str:
+        hit = "hit" if self.hit else "miss"
+        more = f": {self.detail}" if self.detail else ""
+        return f"neighbour {self.index} ({self.label}) {hit}, {self.status}{more}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
 class Verdict:
     """One program's result: ``report`` (None on a build error), the failure
     keys in the report's order, or ``build_error`` when the program does not
-    build under eager (a bug in the fuzzer's catalog, not in a subject)."""
+    build under eager (a bug in the fuzzer's catalog, not in a subject).
+    ``neighbours`` lists the neighbour runs of :class:`Oracle`
+    (``neighbours=N``), in run order."""
 
     report: harness.DifferentialReport | None
     keys: list[FailureKey]
     build_error: str | None = None
+    neighbours: list[NeighbourCheck] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -146,6 +203,13 @@ class Oracle:
             for none when one is (a plugin alone runs only its subjects).
         plugins: plugin specs adding subjects (see module doc).
         devices: device names; ``None`` for every available device.
+        neighbours: after the program, run up to this many neighbour
+            programs under each cagrad subject without a reset (see the
+            module doc); 0 turns it off.
+
+    Raises:
+        ValueError: no subject, one selected twice, a bad plugin, a
+            negative ``neighbours``.
     """
 
     def __init__(
@@ -153,7 +217,11 @@ class Oracle:
         subjects: Sequence[str] | None = None,
         plugins: Sequence[str] = (),
         devices: Sequence[str] | None = None,
+        neighbours: int = 0,
     ):
+        if neighbours < 0:
+            raise ValueError(f"neighbours must be >= 0, got {neighbours}")
+        self.neighbours = int(neighbours)
         self.subject_names = list(subjects) if subjects is not None else None
         self.plugins = list(plugins)
         resolved: list[harness.Subject] = []
@@ -198,4 +266,118 @@ class Oracle:
             report = harness.run_differential(IRProgram(program), subjects, devices)
         except harness.ProgramBuildError as e:
             return Verdict(None, [], build_error=str(e))
-        return Verdict(report, [failure_key(o) for o in report.failures()])
+        checks: list[NeighbourCheck] = []
+        if self.neighbours:
+            checks = self._run_neighbours(program, report, subjects, devices)
+        return Verdict(report, [failure_key(o) for o in report.failures()], neighbours=checks)
+
+    # ------------------------------------------------------------ neighbours
+    def _run_neighbours(
+        self,
+        program: Program,
+        report: harness.DifferentialReport,
+        subjects: Sequence[harness.Subject],
+        devices: Sequence[str],
+    ) -> list[NeighbourCheck]:
+        """Runs the neighbour sequences (module doc); replaces the outcome of
+        a (subject, device) whose sequence failed and adds a note per pair."""
+        compiled = [s for s in subjects if isinstance(s, harness.CagradSubject)]
+        nbs = derive(program, self.neighbours) if compiled else []
+        if not nbs:
+            return []
+        checks: list[NeighbourCheck] = []
+        for device_name in devices:
+            device = torch.device(device_name)
+            references: dict[int, harness.Execution] = {}
+            for subject in compiled:
+                index = _outcome_index(report, subject.name, str(device))
+                if index is None or not report.outcomes[index].ok:
+                    continue
+                # run_differential ran every subject after a reset: only the
+                # last (subject, device) it ran left its state behind
+                if not (subject is subjects[-1] and device_name == devices[-1]):
+                    _replay_program(subject, program, device)
+                pair = self._sequence(subject, device, nbs, references)
+                checks += [c for c, _ in pair]
+                if pair:
+                    report.notes.append(
+                        f"{subject.name}@{device}: " + "; ".join(c.text() for c, _ in pair)
+                    )
+                    failed = pair[-1][1]
+                    if failed is not None:
+                        report.outcomes[index] = failed
+        return checks
+
+    def _sequence(
+        self,
+        subject: harness.Subject,
+        device: torch.device,
+        nbs: Sequence[Neighbour],
+        references: dict[int, harness.Execution],
+    ) -> list[tuple[NeighbourCheck, harness.Outcome | None]]:
+        """The neighbours in order, no reset, up to the first that fails;
+        each with the outcome that replaces the program's when it failed."""
+        out: list[tuple[NeighbourCheck, harness.Outcome | None]] = []
+        for k, nb in enumerate(nbs, 1):
+            run = IRProgram(nb.program)
+            reference = references.get(k)
+            if reference is None:
+                reference = references[k] = harness.execute(harness.EagerSubject(), run, device)
+            check = NeighbourCheck(subject.name, str(device), k, nb.kind, nb.label, "equal")
+            if reference.phase == "build":
+                check.status = "skipped"
+                check.detail = "does not build under eager"
+                out.append((check, None))
+                continue
+            got = harness.execute(subject, run, device, reset=False)
+            check.hit = got.counts.get("cache_hits", 0) > 0
+            after = harness.judge(subject, device, reference, got)
+            if after.ok:
+                out.append((check, None))
+                continue
+            fresh = harness.judge(subject, device, reference, harness.execute(subject, run, device, reset=True))
+            where = f"neighbour {k} ({nb.label})"
+            if fresh.ok:
+                check.status = "cache"
+                check.detail = after.describe()
+                out.append((check, _cache_outcome(after, where)))
+            else:
+                check.status = "diverged"
+                check.detail = fresh.describe()
+                out.append((check, _relabel(fresh, where)))
+            break
+        return out
+
+
+def _outcome_index(report: harness.DifferentialReport, subject: str, device: str) -> int | None:
+    for i, o in enumerate(report.outcomes):
+        if o.subject == subject and o.device == device:
+            return i
+    return None
+
+
+def _replay_program(subject: harness.Subject, program: Program, device: torch.device) -> None:
+    """Runs ``program`` (every size variant of a sequence) under ``subject``
+    from a reset, as run_differential did, to rebuild its cache state."""
+    variants = size_variants(IRProgram(program)) or [None]
+    for k, variant in enumerate(variants):
+        run = IRProgram(program) if variant is None else variant.program
+        harness.execute(subject, run, device, reset=k == 0)
+
+
+def _relabel(outcome: harness.Outcome, where: str) -> harness.Outcome:
+    """``outcome`` with every mismatch detail prefixed by ``where``."""
+    mismatches = [dataclasses.replace(m, detail=f"{where}: {m.detail}") for m in outcome.mismatches]
+    return dataclasses.replace(outcome, mismatches=mismatches)
+
+
+def _cache_outcome(after: harness.Outcome, where: str) -> harness.Outcome:
+    """A ``mismatch`` whose first entry is at ``"cache"``: ``where`` ran
+    after the program and differed from eager (``after``), and agreed in a
+    fresh cagrad state."""
+    what = after.describe() or after.status.value
+    first = harness.Mismatch(
+        "cache", f"{where} ran after the program and gave a wrong result ({what}); in a fresh cache it agrees with eager"
+    )
+    relabelled = _relabel(after, where)
+    return dataclasses.replace(relabelled, status=harness.Status.MISMATCH, mismatches=[first, *relabelled.mismatches])

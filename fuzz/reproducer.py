@@ -9,6 +9,13 @@ arguments, a device that is not there). It imports ``fuzz`` and ``harness``
 from the installed project, or, failing that, from the checkout it was
 written from (``PROJECT_ROOT``).
 
+A reproducer written with ``neighbours=N`` (a campaign run with
+``--neighbours N``, a ``cache`` failure) replays the whole sequence: the
+program, then its ``N`` neighbours (:mod:`fuzz.neighbours`) in the same
+cagrad state, no reset in between, as :class:`fuzz.oracle.Oracle` runs them,
+and prints each neighbour's result; ``--show`` prints the neighbours too.
+Reproducers written before ``NEIGHBOURS`` existed replay with none.
+
 :func:`read_reproducer` reads those fields back (``python -m fuzz replay``).
 """
 
@@ -41,7 +48,7 @@ Run:   python {filename}             exit 0: no divergence, 1: divergence, 2: ca
 The program as plain torch code (same leaves, same backward; run() returns
 what the harness compares):
 
-{source}
+{source}{neighbour_sources}
 """
 
 import sys
@@ -50,6 +57,8 @@ PROGRAM_JSON = {program_json}
 SUBJECTS = {subjects!r}
 PLUGINS = {plugins!r}
 DEVICES = {devices!r}
+# Neighbour programs run after it under each cagrad subject, no reset (0: none).
+NEIGHBOURS = {neighbours!r}
 # Where the fuzz package was when this file was written; used only when
 # "import fuzz" fails (the project is not installed).
 PROJECT_ROOT = {project_root!r}
@@ -62,7 +71,7 @@ def main(argv=None):
         sys.path.insert(0, PROJECT_ROOT)
     from fuzz.reproducer import run_reproducer
 
-    return run_reproducer(PROGRAM_JSON, SUBJECTS, PLUGINS, DEVICES, argv)
+    return run_reproducer(PROGRAM_JSON, SUBJECTS, PLUGINS, DEVICES, argv, neighbours=NEIGHBOURS)
 
 
 if __name__ == "__main__":
@@ -84,18 +93,38 @@ def render_reproducer(
     devices: Sequence[str] = ("cpu",),
     header: str = "",
     filename: str = "reproducer.py",
+    neighbours: int = 0,
 ) -> str:
-    source = textwrap.indent(program.source().rstrip("\n"), "    ").replace('"""', "'''").replace("\\", "\\\\")
+    """The text of a reproducer of ``program`` (see the module doc); with
+    ``neighbours`` > 0 it replays the program's neighbour sequence, and its
+    docstring shows each neighbour's change and code."""
+    source = _docstring_code(program.source())
+    neighbour_sources = ""
+    if neighbours > 0:
+        from fuzz.neighbours import derive
+
+        neighbour_sources = "".join(
+            f"\n\nThen, in the same cagrad state (no reset), neighbour {k}: {nb.label}\n\n"
+            + _docstring_code(nb.program.source())
+            for k, nb in enumerate(derive(program, neighbours), 1)
+        )
     return _TEMPLATE.format(
         header=(header or f"Program {program.name or '(unnamed)'}").replace('"""', "'''").replace("\\", "/"),
         filename=filename,
         source=source,
+        neighbour_sources=neighbour_sources,
+        neighbours=int(neighbours),
         program_json=_string_literal(program.to_json(indent=1)),
         subjects=list(subjects),
         plugins=[_absolute_plugin(p) for p in plugins],
         devices=list(devices),
         project_root=PROJECT_ROOT,
     )
+
+
+def _docstring_code(source: str) -> str:
+    """``source`` indented, safe inside the reproducer's docstring."""
+    return textwrap.indent(source.rstrip("\n"), "    ").replace('"""', "'''").replace("\\", "\\\\")
 
 
 def _absolute_plugin(spec: str) -> str:
@@ -113,21 +142,31 @@ def write_reproducer(path: Path | str, program: Program, **kwargs: Any) -> Path:
 
 
 def read_reproducer(path: Path | str) -> dict[str, Any]:
-    """``{"program": Program, "subjects", "plugins", "devices"}`` of a reproducer."""
+    """``{"program": Program, "subjects", "plugins", "devices", "neighbours"}``
+    of a reproducer (``neighbours`` is 0 for one written without it).
+
+    Raises:
+        ValueError: not a reproducer, or ``NEIGHBOURS`` is not an int >= 0.
+        fuzz.ir.IRError: its program is malformed.
+    """
     tree = ast.parse(Path(path).read_text(), filename=str(path))
     found: dict[str, Any] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
-            if name in ("PROGRAM_JSON", "SUBJECTS", "PLUGINS", "DEVICES"):
+            if name in ("PROGRAM_JSON", "SUBJECTS", "PLUGINS", "DEVICES", "NEIGHBOURS"):
                 found[name] = ast.literal_eval(node.value)
     if "PROGRAM_JSON" not in found:
         raise ValueError(f"{path}: not a cagrad-fuzz reproducer (no PROGRAM_JSON)")
+    neighbours = found.get("NEIGHBOURS", 0)
+    if not isinstance(neighbours, int) or isinstance(neighbours, bool) or neighbours < 0:
+        raise ValueError(f"{path}: NEIGHBOURS must be an int >= 0, got {neighbours!r}")
     return {
         "program": Program.from_json(found["PROGRAM_JSON"]),
         "subjects": found.get("SUBJECTS") or [],
         "plugins": found.get("PLUGINS") or [],
         "devices": found.get("DEVICES") or None,
+        "neighbours": neighbours,
     }
 
 
@@ -139,12 +178,18 @@ def replay(
     *,
     echo: Any = print,
     as_json: bool = False,
+    neighbours: int = 0,
 ) -> int:
-    """Runs the comparison, prints the report; 0 agree, 1 diverge, 2 cannot run."""
+    """Runs the comparison, prints the report; 0 agree, 1 diverge, 2 cannot run.
+
+    With ``neighbours`` > 0 the program's neighbour sequence runs too (see
+    :class:`fuzz.oracle.Oracle`): the report's notes list each neighbour's
+    change and result, a wrong cache hit is a ``cache`` mismatch, and the
+    JSON form gets a ``neighbours`` list."""
     from fuzz.oracle import Oracle
 
     try:
-        oracle = Oracle(subjects or None, plugins, devices)
+        oracle = Oracle(subjects or None, plugins, devices, neighbours=neighbours)
     except (ValueError, KeyError) as e:
         echo(f"error: {e}")
         return 2
@@ -153,7 +198,13 @@ def replay(
         echo(f"error: the program does not build under eager autograd:\n{verdict.build_error}")
         return 2
     assert verdict.report is not None
-    echo(json.dumps(verdict.report.to_json(), indent=1) if as_json else verdict.report.summary().rstrip())
+    if as_json:
+        data = verdict.report.to_json()
+        if neighbours:
+            data["neighbours"] = [c.to_json() for c in verdict.neighbours]
+        echo(json.dumps(data, indent=1))
+    else:
+        echo(verdict.report.summary().rstrip())
     return 0 if verdict.ok else 1
 
 
@@ -163,23 +214,45 @@ def run_reproducer(
     plugins: Sequence[str],
     devices: Sequence[str] | None,
     argv: Sequence[str] | None = None,
+    *,
+    neighbours: int = 0,
 ) -> int:
-    """The ``main`` of a reproducer file."""
+    """The ``main`` of a reproducer file (``neighbours``: its ``NEIGHBOURS``)."""
     parser = argparse.ArgumentParser(description="Replays a cagrad-fuzz divergence.")
     parser.add_argument("--show", action="store_true", help="print the program as torch code and exit")
     parser.add_argument("--subjects", help="comma-separated subject names instead of the recorded ones")
     parser.add_argument("--device", action="append", help="device to run on (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the differential report as JSON")
+    parser.add_argument(
+        "--neighbours",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"neighbour programs to run after it, no reset (recorded: {neighbours})",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code == 0 else 2
+    if args.neighbours is not None:
+        if args.neighbours < 0:
+            print(f"error: --neighbours must be >= 0, got {args.neighbours}")
+            return 2
+        neighbours = args.neighbours
     program = Program.from_json(program_json)
     if args.show:
         print(program.source(), end="")
+        if neighbours > 0:
+            from fuzz.neighbours import derive
+
+            for k, nb in enumerate(derive(program, neighbours), 1):
+                print(f"\n# neighbour {k} (same cagrad state, no reset): {nb.label}")
+                print(nb.program.source(), end="")
         return 0
     if args.subjects:
         from harness.subjects import split_names
 
         subjects, plugins = split_names(args.subjects), []
-    return replay(program, list(subjects), list(plugins), args.device or devices, as_json=args.json)
+    return replay(
+        program, list(subjects), list(plugins), args.device or devices, as_json=args.json, neighbours=neighbours
+    )

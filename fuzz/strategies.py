@@ -42,6 +42,7 @@ from fuzz.ir import (
     ValueInfo,
     base_name,
     infer_outputs,
+    inplace_conflicts,
     validate,
 )
 
@@ -165,8 +166,19 @@ class _Builder:
         draw = self.draw
         spec = catalog.OPS[op_name]
         if spec.inplace_first:
-            # writes into an earlier fresh value that requires grad; never a new leaf
-            firsts = [v for v in self.pool if spec.accepts(v.shape) and v.fresh and v.requires_grad and not v.is_leaf]
+            # writes into an earlier fresh value that requires grad; never a
+            # new leaf, and never a base that split/unbind made views of
+            # (eager rejects those views once the base changes: ir.inplace_conflicts)
+            made = {v.ref: v for v in self.pool}
+            firsts = [
+                v
+                for v in self.pool
+                if spec.accepts(v.shape)
+                and v.fresh
+                and v.requires_grad
+                and not v.is_leaf
+                and not inplace_conflicts(v, made)
+            ]
             if not firsts:
                 return
         else:

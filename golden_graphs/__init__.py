@@ -11,7 +11,11 @@ unified diff on any change (:mod:`~golden_graphs.compare`); ``accept``
 rewrites snapshots (:mod:`~golden_graphs.accept`).
 
 =================  ==========================================================
-``scenarios``      the registry of named, seeded scenarios
+``scenarios``      the registry of named, seeded scenarios (and the first ones)
+``feature_scenarios`` one scenario per feature (hooks, custom Functions, ...)
+``model_scenarios`` small real models (CNN, transformer, LSTM, embedding)
+``key_fields``     named fields of each cache key, recorded as written; field diffs
+``markdown``       the pull-request review artifact
 ``normalize``      FX graph -> stable text lines
 ``snapshot``       the file format: render, parse, SnapshotError
 ``store``          the per-torch-version snapshot directory, atomic writes
@@ -22,6 +26,7 @@ rewrites snapshots (:mod:`~golden_graphs.accept`).
 =================  ==========================================================
 """
 
+from . import feature_scenarios, model_scenarios  # noqa: F401 - they register scenarios
 from .snapshot import Snapshot, SnapshotError, parse, render
 
 __all__ = ["Snapshot", "SnapshotError", "parse", "render"]

@@ -4,7 +4,9 @@
 
     cagrad-golden [--root DIR] check  [NAMES...]   exit 1 on any difference
     cagrad-golden [--root DIR] accept [NAMES...] [--prune]
-    cagrad-golden [--root DIR] review [NAMES...]   show everything, exit 0
+    cagrad-golden [--root DIR] review [NAMES...] [--against 2.11]
+                               [--format text|markdown] [--output FILE]
+                                                 show everything, exit 0
     cagrad-golden [--root DIR] list
 
 ``--root`` (or ``$CAGRAD_GOLDEN_ROOT``) is the directory holding the
@@ -12,17 +14,28 @@
 ``golden_graphs/snapshots``. Without NAMES a command covers every scenario
 and also reports stale files (snapshots whose scenario no longer exists).
 
+Snapshot sets are per torch minor version (``torch-2.13/``...). ``check``
+and ``review`` use the running torch's set; ``review --against 2.11``
+compares the current captures with another version's set instead (what a
+torch upgrade changes). A changed cache key is shown as field-level changes
+(``NodeCall 3 MmBackward0: `attribute dim` 1 -> 0``) above the unified diff.
+
 Exit status: 0 when everything matches (``check``), when everything was
 written (``accept``) and always for ``review`` and ``list``; 1 for a
-difference, a missing/malformed/stale snapshot, a missing snapshot
-directory or a scenario that failed to capture; 2 for usage errors such as
-an unknown scenario name.
+difference, a missing/malformed/stale snapshot or a scenario that failed to
+capture; 2 when there is no snapshot set for the running torch (or for
+``--against``): nothing was compared, and the message names the versions
+that have one and the ``accept`` command that creates it; 2 also for usage
+errors such as an unknown scenario name.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import sys
+import tempfile
+from pathlib import Path
 from collections.abc import Sequence
 
 import click
@@ -33,8 +46,10 @@ from rich.text import Text
 from . import scenarios
 from .accept import accept as accept_snapshots
 from .compare import Outcome, Status, compare, summary
-from .store import DEFAULT_ROOT, ROOT_ENV, SnapshotStore
+from .markdown import review_markdown
+from .store import DEFAULT_ROOT, ROOT_ENV, SnapshotStore, available_versions, torch_version
 
+EXIT_NO_SNAPSHOT_SET = 2  #: ``check``/``review``: no snapshot set for the version
 _STATUS_STYLE = {
     Status.OK: "green",
     Status.CHANGED: "yellow",
@@ -104,12 +119,7 @@ def check(store: SnapshotStore, names: tuple[str, ...]) -> None:
     """
     selected = _names_arg(names)
     console = _console()
-    if not store.exists():
-        console.print(
-            f"golden_graphs: no snapshot directory for torch {store.version}: "
-            f"{store.display()} does not exist.\nCreate it with: {_accept_hint(store)}"
-        )
-        sys.exit(1)
+    _require_set(console, store)
     outcomes = compare(store, selected)
     _report(console, outcomes)
     bad = [o for o in outcomes if not o.ok]
@@ -158,17 +168,58 @@ def accept(store: SnapshotStore, names: tuple[str, ...], prune: bool) -> None:
 
 @main.command(short_help="Show all diffs, missing and stale snapshots; exit 0.")
 @click.argument("names", nargs=-1)
+@click.option(
+    "--against",
+    metavar="MAJOR.MINOR",
+    default=None,
+    help="Compare the current captures with this torch version's snapshot set "
+    "(what a torch upgrade changes) instead of the running torch's.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "markdown"]),
+    default="text",
+    show_default=True,
+    help="markdown: a summary for a pull-request comment.",
+)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write the review to this file (atomically) instead of stdout.",
+)
 @click.pass_obj
-def review(store: SnapshotStore, names: tuple[str, ...]) -> None:
-    """Show every diff, missing and stale snapshot, then a table; never fails."""
+def review(
+    store: SnapshotStore, names: tuple[str, ...], against: str | None, fmt: str, output: str | None
+) -> None:
+    """Show every diff (key field changes first), missing and stale
+    snapshot, then a table; exit 0 whatever changed (2 without a set)."""
     selected = _names_arg(names)
     console = _console()
-    if not store.exists():
-        console.print(f"no snapshot directory {store.display()}; create it with: {_accept_hint(store)}")
+    running = torch_version()
+    if against is not None:
+        try:
+            version = torch_version(against)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--against") from None
+        store = SnapshotStore(store.root, version)
+    _require_set(console, store)
+    outcomes = compare(store, selected, version=running)
+    if fmt == "markdown" or output is not None:
+        text = (
+            review_markdown(outcomes, running, against=store.version if against else None)
+            if fmt == "markdown"
+            else _plain_review(outcomes)
+        )
+        if output is None:
+            click.echo(text, nl=False)
+        else:
+            _write_atomic(output, text)
+            console.print(f"wrote {output}: {summary(outcomes)}")
         return
-    outcomes = compare(store, selected)
     _report(console, outcomes, show_missing=True)
-    table = Table(title=f"golden graphs, torch {store.version}")
+    table = Table(title=f"golden graphs, torch {store.version} snapshots vs torch {running}")
     table.add_column("scenario")
     table.add_column("status")
     table.add_column("+/-", justify="right")
@@ -182,6 +233,43 @@ def review(store: SnapshotStore, names: tuple[str, ...]) -> None:
     console.print(summary(outcomes))
 
 
+def _require_set(console: Console, store: SnapshotStore) -> None:
+    """Exits with :data:`EXIT_NO_SNAPSHOT_SET` when ``store``'s version has
+    no snapshot set, naming the versions that have one."""
+    if store.exists():
+        return
+    have = available_versions(store.root)
+    listed = ", ".join(have) if have else "none"
+    console.print(
+        f"golden_graphs: no snapshot set for torch {store.version} ({store.display()} does not "
+        f"exist); snapshot sets exist for torch: {listed}.\n"
+        f"Nothing was compared. Create this set on a machine with torch {store.version}: "
+        f"{_accept_hint(store)}"
+    )
+    sys.exit(EXIT_NO_SNAPSHOT_SET)
+
+
+def _plain_review(outcomes: list[Outcome]) -> str:
+    """The text review without colours (for ``--output`` in text format)."""
+    console = Console(record=True, file=open(os.devnull, "w"), width=200, soft_wrap=True)  # noqa: SIM115
+    _report(console, outcomes, show_missing=True)
+    console.print(summary(outcomes))
+    return console.export_text()
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _report(console: Console, outcomes: list[Outcome], show_missing: bool = False) -> None:
     """Prints each non-OK outcome: a headline, its detail, its diff."""
     for o in outcomes:
@@ -193,6 +281,10 @@ def _report(console: Console, outcomes: list[Outcome], show_missing: bool = Fals
         console.print(head)
         if o.detail:
             console.print(Text(f"    {o.detail}"))
+        if o.fields:
+            console.print(Text("  key field changes:", style="bold"))
+            for line in o.fields:
+                console.print(Text(f"    {line}", style=style))
         if o.status in (Status.CHANGED, Status.MALFORMED) or (show_missing and o.diff):
             _print_diff(console, o.diff)
 

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from . import scenarios
+from .key_fields import field_diff
 from .snapshot import SnapshotError, parse, render
 from .store import SnapshotStore
 from .take import take
@@ -51,6 +52,8 @@ class Outcome:
         detail: the parse error (MALFORMED) or capture error (ERROR).
         current: the current rendering (None for STALE and ERROR).
         stored: the stored text (None for MISSING).
+        fields: field-level key changes (CHANGED only), one line each, as
+            :func:`golden_graphs.key_fields.field_diff` writes them.
     """
 
     name: str
@@ -60,6 +63,7 @@ class Outcome:
     detail: str = ""
     current: str | None = None
     stored: str | None = None
+    fields: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -74,15 +78,24 @@ def current_text(name: str, version: str) -> str:
     return render(take(name, version))
 
 
-def compare(store: SnapshotStore, names: Sequence[str] | None = None) -> list[Outcome]:
+def compare(
+    store: SnapshotStore, names: Sequence[str] | None = None, version: str | None = None
+) -> list[Outcome]:
     """Compares scenarios ``names`` (None: all, plus a STALE outcome per
     stored file with no scenario) with ``store``.
+
+    Args:
+        version: the torch version of the current capture (default:
+            ``store.version``; ``review --against`` passes the running
+            torch's). A snapshot of another version is compared with the
+            capture apart from its ``torch:`` line, so that only what the
+            upgrade changed in graphs and keys shows.
 
     Raises:
         KeyError: a name that is not a registered scenario.
     """
     selected = _select(names)
-    outcomes = [_compare_one(store, name) for name in selected]
+    outcomes = [_compare_one(store, name, version or store.version) for name in selected]
     if names is None:
         outcomes += stale(store)
     return outcomes
@@ -124,11 +137,12 @@ def _select(names: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _compare_one(store: SnapshotStore, name: str) -> Outcome:
+def _compare_one(store: SnapshotStore, name: str, version: str) -> Outcome:
     path = store.display(name)
     stored = store.read(name)
     try:
-        current = current_text(name, store.version)
+        now = take(name, version)
+        current = render(now)
     except Exception as e:  # noqa: BLE001 - reported, never swallowed
         return Outcome(name, Status.ERROR, path, detail=f"{type(e).__name__}: {e}", stored=stored)
     diff = unified_diff(stored, current, path)
@@ -141,8 +155,16 @@ def _compare_one(store: SnapshotStore, name: str) -> Outcome:
     if snap.scenario != name:
         detail = f"{path}:1: the file is for scenario {snap.scenario!r}, expected {name!r}"
         return Outcome(name, Status.MALFORMED, path, diff, detail, current, stored)
+    if snap.torch != now.torch:
+        # review --against: the torch line always differs; judge the rest
+        current = render(dataclasses.replace(now, torch=snap.torch))
+        diff = unified_diff(stored, current, path)
     if stored != current:
-        return Outcome(name, Status.CHANGED, path, diff, current=current, stored=stored)
+        task = field_diff([snap.task_key], [snap.task_fields], [now.task_key], [now.task_fields])
+        fields = [line.replace("NodeCall 0 ", "task key ", 1) for line in task] + field_diff(
+            snap.cache_keys, snap.key_fields, now.cache_keys, now.key_fields
+        )
+        return Outcome(name, Status.CHANGED, path, diff, current=current, stored=stored, fields=fields)
     return Outcome(name, Status.OK, path, current=current, stored=stored)
 
 

@@ -13,6 +13,9 @@ One UTF-8 text file per scenario. Example (abridged)::
 
     [cache_keys]
     SumBackward0 005400...
+        [00] node id = 0
+        [54] needed = True (T)
+        ...
     AddBackward0 015400...
 
     [graph]
@@ -37,6 +40,11 @@ Rules the parser enforces:
   truncated;
 * a key line is ``<NodeType> <hex>`` (:meth:`cagrad.CacheKey.hex`): an
   identifier, one space, an even number of lowercase hex digits;
+* a key line may be followed by its decoded fields
+  (:mod:`golden_graphs.key_fields`), one per line:
+  ``    [<hex>] <name> = <value>`` (four spaces). When present, the fields'
+  bytes must concatenate to the key's bytes exactly, so the readable view
+  cannot disagree with the hex;
 * blank lines are ignored outside the header.
 
 Reading one: the ``# <Node> (NodeCall k)`` comments in ``[graph]`` refer to
@@ -56,6 +64,8 @@ import re
 
 from cagrad import CacheKey
 
+from .key_fields import Field
+
 MAGIC = "# cagrad golden graph snapshot, format 1"
 SECTIONS = ("task_key", "cache_keys", "graph")
 HEADER_FIELDS = ("scenario", "torch", "about")
@@ -64,6 +74,8 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 _TORCH = re.compile(r"\d+\.\d+")
 _SECTION = re.compile(r"\[([a-z_]+)\]")
+_FIELD = re.compile(r"    \[((?:[0-9a-f]{2})*)\] (.+?) = (.*)")
+FIELD_INDENT = "    "
 
 
 class SnapshotError(ValueError):
@@ -91,6 +103,9 @@ class Snapshot:
         task_key: :attr:`cagrad.Capture.task_key`.
         cache_keys: :attr:`cagrad.Capture.cache_keys`, in run order.
         graph: the normalized graph lines (:func:`golden_graphs.normalize.graph_lines`).
+        task_fields: the task key's decoded fields (empty: not recorded).
+        key_fields: each cache key's decoded fields, parallel to
+            ``cache_keys`` (empty: not recorded).
     """
 
     scenario: str
@@ -99,6 +114,12 @@ class Snapshot:
     task_key: CacheKey
     cache_keys: tuple[CacheKey, ...]
     graph: tuple[str, ...]
+    task_fields: tuple[Field, ...] = ()
+    key_fields: tuple[tuple[Field, ...], ...] = ()
+
+
+def _key_lines(key: CacheKey, fields: tuple[Field, ...]) -> list[str]:
+    return [key.hex(), *(f"{FIELD_INDENT}[{f.data.hex()}] {f.line()}" for f in fields)]
 
 
 def render(snap: Snapshot) -> str:
@@ -118,10 +139,14 @@ def render(snap: Snapshot) -> str:
         f"about: {snap.about}".rstrip(),
         "",
         "[task_key]",
-        snap.task_key.hex(),
+        *_key_lines(snap.task_key, snap.task_fields),
         "",
         "[cache_keys]",
-        *(k.hex() for k in snap.cache_keys),
+        *(
+            line
+            for i, k in enumerate(snap.cache_keys)
+            for line in _key_lines(k, snap.key_fields[i] if snap.key_fields else ())
+        ),
         "",
         "[graph]",
         *snap.graph,
@@ -152,6 +177,14 @@ def _check_renderable(snap: Snapshot) -> None:
         raise ValueError(f"torch must be '<major>.<minor>', got {snap.torch!r}")
     if not snap.cache_keys:
         raise ValueError("a snapshot needs at least one cache key")
+    if snap.key_fields and len(snap.key_fields) != len(snap.cache_keys):
+        raise ValueError("key_fields must have one entry per cache key")
+    for key, fields in ((snap.task_key, snap.task_fields), *zip(snap.cache_keys, snap.key_fields)):
+        if fields and b"".join(f.data for f in fields) != key.key:
+            raise ValueError(f"the fields of {key.node_type} do not add up to its key bytes")
+        for f in fields:
+            if "\n" in f.line() or " = " in f.name or not f.name:
+                raise ValueError(f"field {f.line()!r} cannot be stored")
     for key in (snap.task_key, *snap.cache_keys):
         if not _IDENT.fullmatch(key.node_type):
             raise ValueError(f"node type {key.node_type!r} is not an identifier")
@@ -195,8 +228,20 @@ class _Parser:
             raise self.error("expected at least one key line in [cache_keys]", self.section_line)
         graph = self.graph()
         self.end()
+        key_fields = tuple(f for _, f in keys)
+        if not any(key_fields):
+            key_fields = ()
+        elif not all(key_fields):
+            raise self.error("either every key line or none has decoded fields", self.section_line)
         return Snapshot(
-            header["scenario"], header["torch"], header["about"], task[0], tuple(keys), tuple(graph)
+            header["scenario"],
+            header["torch"],
+            header["about"],
+            task[0][0],
+            tuple(k for k, _ in keys),
+            tuple(graph),
+            task[0][1],
+            key_fields,
         )
 
     def header(self) -> dict[str, str]:
@@ -242,7 +287,7 @@ class _Parser:
     def at_section(self) -> bool:
         return self.i >= len(self.lines) or bool(_SECTION.fullmatch(self.lines[self.i]))
 
-    def keys(self, section: str, limit: int | None = None) -> list[CacheKey]:
+    def keys(self, section: str, limit: int | None = None) -> list[tuple[CacheKey, tuple[Field, ...]]]:
         self.open_section(section)
         keys = []
         while True:
@@ -254,8 +299,29 @@ class _Parser:
                     f"expected a section header after the {limit} line(s) of [{section}],"
                     f" got {self.got()}"
                 )
-            keys.append(self.key_line(self.lines[self.i]))
+            key_at = self.i + 1
+            key = self.key_line(self.lines[self.i])
             self.i += 1
+            fields = self.fields()
+            if fields and b"".join(f.data for f in fields) != key.key:
+                raise self.error(
+                    f"the decoded fields under {key.node_type} do not add up to its key bytes "
+                    f"({b''.join(f.data for f in fields).hex()} != {key.key.hex()})",
+                    key_at,
+                )
+            keys.append((key, fields))
+
+    def fields(self) -> tuple[Field, ...]:
+        out = []
+        while self.i < len(self.lines) and self.lines[self.i].startswith(FIELD_INDENT):
+            m = _FIELD.fullmatch(self.lines[self.i])
+            if m is None:
+                raise self.error(
+                    f"expected a decoded field '{FIELD_INDENT}[<hex bytes>] <name> = <value>', got {self.got()}"
+                )
+            out.append(Field(m.group(2), m.group(3), bytes.fromhex(m.group(1))))
+            self.i += 1
+        return tuple(out)
 
     def key_line(self, line: str) -> CacheKey:
         node_type, sep, hexbytes = line.partition(" ")

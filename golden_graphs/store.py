@@ -37,6 +37,19 @@ def torch_version(version: str | None = None) -> str:
     return f"{m.group(1)}.{m.group(2)}"
 
 
+def available_versions(root: str | os.PathLike | None = None) -> list[str]:
+    """The torch versions that have a snapshot set under ``root`` (default:
+    :data:`DEFAULT_ROOT`), sorted numerically: ``["2.11", "2.13"]``."""
+    base = Path(root) if root is not None else DEFAULT_ROOT
+    if not base.is_dir():
+        return []
+    found = [m.group(1) for p in base.iterdir() if p.is_dir() and (m := _SET_DIR.fullmatch(p.name))]
+    return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+_SET_DIR = re.compile(r"torch-(\d+\.\d+)")
+
+
 class SnapshotStore:
     """The snapshot directory of one torch version under ``root``.
 

@@ -15,6 +15,9 @@ variant whose values have other ranks or another count, like ``unbind``
 over a dimension that grew):
 
 * a variant with the same shapes as an earlier one: no capture;
+* a variant whose backward graph has node types no earlier variant's had
+  (``x[0:2]`` is an ``AliasBackward0`` at size 2, a ``SliceBackward0`` at
+  size 5) counts as a new 0/1 pattern;
 * ``dynamic=True`` (sizes are symbols from the first capture): a variant
   whose 0/1 pattern an earlier variant had (it differs only in sizes >= 2):
   no capture; a new pattern: at most one;
@@ -45,7 +48,7 @@ equal sizes to one symbol) may legitimately cost a capture; cagrad's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 Sizes = tuple[int, ...]
@@ -82,24 +85,32 @@ def _flat(shapes: Shapes) -> Sizes:
     return tuple(d for shape in shapes for d in shape)
 
 
-def allowed_captures(sequence: Sequence[Shapes], dynamic: bool, static: bool = False) -> list[int]:
+def allowed_captures(
+    sequence: Sequence[Shapes], dynamic: bool, static: bool = False, graphs: Sequence[Hashable] | None = None
+) -> list[int]:
     """The most captures each variant may make (see the module docstring);
     ``sequence`` has the shapes of every variant, in run order. ``static``:
     the graph keeps some sizes static by design, so only the weaker rule
-    holds (new shapes: at most one capture; shapes seen before: none)."""
+    holds (new shapes: at most one capture; shapes seen before: none).
+    ``graphs``: per variant, what its backward graph is made of (node type
+    names); a variant whose graph no earlier variant had counts as a new
+    0/1 pattern (at most one capture)."""
     if not sequence:
         return []
+    graphs = list(graphs) if graphs is not None else [None] * len(sequence)
     first = tuple(sequence[0])
     seen_shapes = {first}
     seen_patterns = {pattern(first)}
+    seen_graphs = {graphs[0]}
     dynamic_positions: set[int] = set()
     allowed = [1]
-    for shapes in sequence[1:]:
+    for shapes, graph in zip(sequence[1:], graphs[1:]):
         shapes = tuple(shapes)
         if shapes in seen_shapes:
             allowed.append(0)
             continue
-        new_pattern = pattern(shapes) not in seen_patterns
+        new_pattern = pattern(shapes) not in seen_patterns or graph not in seen_graphs
+        seen_graphs.add(graph)
         if static:
             allowed.append(1)
         elif dynamic:
@@ -122,6 +133,7 @@ def check_captures(
     *,
     static: bool = False,
     dropped: Sequence[int] = (),
+    graphs: Sequence[Hashable] | None = None,
 ) -> str | None:
     """None when ``captures`` (one count per variant) obey the rule, else a
     sentence giving both per-variant lists (naming the first variant where
@@ -130,8 +142,9 @@ def check_captures(
     ``static``: see :func:`allowed_captures`. ``dropped``: graphs the
     subject dropped in each variant (cagrad's ``deopts``: a failed
     speculation drops the graph, so a later run captures it again); each
-    allows one more capture from the next variant on."""
-    allowed = allowed_captures(sequence, dynamic, static)
+    allows one more capture from the next variant on. ``graphs``: see
+    :func:`allowed_captures`."""
+    allowed = allowed_captures(sequence, dynamic, static, graphs)
     # a variant runs one backward per ``repeat``; a program whose own sizes
     # took several graphs (a second backward that differs in a node) may
     # take as many again at each new size that the rule allows

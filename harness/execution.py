@@ -20,7 +20,7 @@ import torch
 from harness.devices import seeded, synchronize
 from harness.outcome import ErrorInfo
 from harness.program import Program
-from harness.subjects import Subject, counter_deltas
+from harness.subjects import Subject, counter_deltas, graph_nodes
 
 
 @dataclasses.dataclass
@@ -44,6 +44,14 @@ class Execution:
         seconds: wall time of build and backward.
         static_sizes: what the subject keeps static by design in this
             graph (:meth:`harness.subjects.Subject.static_sizes`).
+        value_dtypes: the floating dtypes of the program's leaves and
+            outputs (a grad that flowed through a lower-precision value
+            carries its rounding: :func:`harness.runner.judge` compares it
+            with the loosest of these tolerances).
+        node_types: the backward graph's node type names, sorted (size
+            sequences: a size can change the graph itself, as ``x[0:2]``
+            is an ``AliasBackward0`` at size 2 and a ``SliceBackward0`` at
+            size 5; see :func:`harness.capture_rule.allowed_captures`).
     """
 
     mode: str | None = None
@@ -57,6 +65,8 @@ class Execution:
     fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     static_sizes: list[str] = dataclasses.field(default_factory=list)
+    node_types: tuple[str, ...] = ()
+    value_dtypes: tuple[torch.dtype, ...] = ()
 
 
 def snapshot(value: Any) -> Any:
@@ -100,10 +110,12 @@ def execute(
         with seeded(device, seed):
             run = program.build(device)
             out.mode = run.mode
+            out.value_dtypes = _floating_dtypes([*run.leaves, *run.outputs])
             synchronize(device)
             phase = "backward"
             if probe_sizes:
                 out.static_sizes = subject.static_sizes(run)
+                out.node_types = tuple(sorted(type(n).__name__ for n in graph_nodes(run.outputs)))
             before = subject.counters()
             try:
                 result = subject.run(run)
@@ -124,3 +136,8 @@ def execute(
             pass
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _floating_dtypes(tensors: list[Any]) -> tuple[torch.dtype, ...]:
+    found = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())}
+    return tuple(sorted(found, key=str))

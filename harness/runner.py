@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -40,7 +41,10 @@ def judge(
     2. the subject raised: ``error``.
     3. any compared value differs: ``mismatch`` (every difference listed).
        Compared: ``grad result i`` (mode ``"grad"``), ``leaf i .grad`` (both
-       modes: ``autograd.grad`` must leave ``.grad`` alone), ``trace[i]``.
+       modes: ``autograd.grad`` must leave ``.grad`` alone), ``trace[i]``;
+       each by the loosest tolerance among its own dtype and the floating
+       dtypes of the program's leaves and outputs
+       (:attr:`harness.execution.Execution.value_dtypes`).
     4. the subject fell back at least once: ``fallback``.
     5. otherwise ``equal``.
     """
@@ -73,7 +77,14 @@ def judge(
         return outcome
 
     def tol(dtype: torch.dtype):
-        return policy(dtype, subject.backend, device.type)
+        # a grad that passed through a lower-precision value (a float64 leaf
+        # added to a float32 tensor) carries that value's rounding: judge it
+        # by the loosest tolerance among the program's floating dtypes
+        own = policy(dtype, subject.backend, device.type)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            return own
+        others = [policy(d, subject.backend, device.type) for d in reference.value_dtypes if d != dtype]
+        return max([own, *others], key=lambda t: (t.rtol, t.atol))
 
     mismatches: list[Mismatch] = []
     if reference.grad_results is not None or got.grad_results is not None:
@@ -208,19 +219,24 @@ def _run_sequence(
             report.eager_errors[str(device)] = reference.error
         references.append(reference)
     for subject in subjects:
-        judged, static = [], set()
+        judged, static, graphs = [], set(), []
         for k, (variant, reference) in enumerate(zip(variants, references)):
             got = execute(subject, variant.program, device, seed, reset=k == 0, probe_sizes=True)
             judged.append(judge(subject, device, reference, got, policy))
             static.update(got.static_sizes)
-        report.outcomes.append(merge_variants(subject, variants, judged, sorted(static)))
+            graphs.append(got.node_types)
+        report.outcomes.append(merge_variants(subject, variants, judged, sorted(static), graphs))
 
 
 _WORST = (Status.ERROR, Status.MISMATCH, Status.FALLBACK, Status.EQUAL)
 
 
 def merge_variants(
-    subject: Subject, variants: Sequence[SizeVariant], judged: Sequence[Outcome], static_sizes: Sequence[str] = ()
+    subject: Subject,
+    variants: Sequence[SizeVariant],
+    judged: Sequence[Outcome],
+    static_sizes: Sequence[str] = (),
+    graphs: Sequence[Any] | None = None,
 ) -> Outcome:
     """One outcome for a size sequence: the worst variant's status (error,
     mismatch, fallback, equal), every variant's mismatches (their detail
@@ -231,7 +247,8 @@ def merge_variants(
     None) gets a ``mismatch`` at ``"captures"`` when no variant raised or
     diverged and the captures break the rule: its weaker form when
     ``static_sizes`` names what keeps sizes static in the graph (written to
-    every variant entry as ``static_sizes``)."""
+    every variant entry as ``static_sizes``). ``graphs``: each variant's
+    backward node types (a variant with a new graph may capture once)."""
     first = judged[0]
     merged = Outcome(subject=first.subject, device=first.device, status=Status.EQUAL)
     for variant, o in zip(variants, judged):
@@ -252,7 +269,7 @@ def merge_variants(
     if dynamic is not None:
         sizes = [v.rule_shapes() for v in variants]
         static = bool(static_sizes)
-        for entry, most in zip(merged.variants, allowed_captures(sizes, dynamic, static)):
+        for entry, most in zip(merged.variants, allowed_captures(sizes, dynamic, static, graphs)):
             entry["allowed_captures"] = most
             if static:
                 entry["static_sizes"] = list(static_sizes)
@@ -263,6 +280,7 @@ def merge_variants(
                 dynamic,
                 static=static,
                 dropped=[o.counts.get("deopts", 0) for o in judged],
+                graphs=graphs,
             )
             if problem is not None:
                 if static:

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 
 from cagrad.graph_task import GraphTask
+from tests.conftest import examples
 
 UNARY = [torch.sin, torch.exp, torch.tanh, lambda t: t * 1.5, lambda t: t.sum(0, keepdim=True)]
 BINARY = [torch.add, torch.mul, torch.sub, lambda a, b: a * 2 + b]
@@ -56,7 +57,7 @@ def _eager_order(roots, inputs=None):
     return order
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     steps=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=12),
@@ -77,7 +78,7 @@ def test_order_matches_eager_backward(seed, steps, n_leaves, n_roots):
     assert [idx[id(n)] for n in eager] == [c.id for c in ours]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     steps=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 50), st.integers(0, 50)), min_size=2, max_size=12),

@@ -11,6 +11,10 @@
   slice for an input that does not require grad), and a custom Function
   returns what its backward returned.
 * A second ``retain_grad()`` is a no-op.
+* With ``inputs=`` that the one root does not lead to, the engine still
+  reaches the root node (it is the graph root: no GraphRoot for one root
+  edge) and runs its tensor pre-hooks and ``retain_grad`` hooks, not the
+  node (found by the CUDA nightly campaign).
 * A backward finished by the interpreter after a post-hook dropped a
   gradient finds every pending gradient it needs.
 
@@ -126,6 +130,25 @@ def test_post_hook_sees_none_for_an_edge_autograd_grad_does_not_need():
 
     trace = check(build)
     assert labels_with_none(trace) == ["mul[0]"]
+
+
+@pytest.mark.parametrize("root", ["leaf", "non_leaf"])
+def test_tensor_hooks_of_a_root_that_leads_to_no_input_still_run(root):
+    def build(tr):
+        c0 = torch.randn(2, 3, requires_grad=True)
+        c1 = torch.randn(1, requires_grad=True)
+        y = c0 if root == "leaf" else c0 * 2
+        y.register_hook(lambda g: tr.append(("tensor", g)))
+        if root == "non_leaf":
+            y.retain_grad()
+            y.grad_fn.register_prehook(lambda g: tr.append(("pre", g)))
+            y.grad_fn.register_hook(lambda gi, go: tr.append(("post", gi)))
+        c0.register_post_accumulate_grad_hook(lambda p: tr.append(("post_accumulate", p.grad)))
+        got = torch.autograd.grad([y], [c1], grad_outputs=[torch.ones(2, 3)], allow_unused=True)
+        return [*got, c0.grad, y.grad if root == "non_leaf" else None]
+
+    trace = check(build)
+    assert [label for label, _ in trace] == ["tensor"]  # the node and its other hooks do not run
 
 
 @pytest.mark.parametrize("dynamic", [True, False])

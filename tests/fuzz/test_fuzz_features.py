@@ -30,6 +30,7 @@ from fuzz.oracle import Oracle
 from fuzz.reduce import reduce_program
 from fuzz.reproducer import write_reproducer
 from fuzz.strategies import GenConfig, programs
+from tests.conftest import examples
 from harness.program import run_backward
 
 
@@ -333,7 +334,7 @@ def test_values_are_views_or_fresh_as_inferred() -> None:
 def test_strategies_generate_every_feature() -> None:
     seen: Counter = Counter()
 
-    @settings(max_examples=300, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(300), deadline=None, suppress_health_check=list(HealthCheck))
     @given(programs())
     def collect(p: Program) -> None:
         seen.update(p.features())
@@ -365,7 +366,7 @@ def test_strategies_generate_every_feature() -> None:
     assert sum(seen[f] for f in seen if f.startswith("hook:")) >= n  # most programs have hooks
 
 
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(40), deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(programs(ops=tuple(n for n, s in catalog.OPS.items() if s.category in ("custom", "inplace_view")) + ("sin",)))
 def test_custom_and_inplace_programs_run_under_eager(program: Program) -> None:
     values = run_forward(program)
@@ -378,7 +379,7 @@ def test_custom_and_inplace_programs_run_under_eager(program: Program) -> None:
 
 
 def test_hook_actions_config_restricts_hooks() -> None:
-    @settings(max_examples=30, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(30), deadline=None, suppress_health_check=list(HealthCheck))
     @given(programs(hook_actions=("tensor.scale", "post.drop")))
     def check(p: Program) -> None:
         assert set(p.hook_set()) <= {"hook:tensor.scale", "hook:post.drop"}
@@ -493,7 +494,7 @@ def test_cagrad_agrees_with_eager_on_the_rich_program(cagrad_oracle: Oracle, var
     _assert_equal(cagrad_oracle, rich_program(**changes[variant]))
 
 
-@settings(max_examples=8, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
 @given(programs(max_ops=6))
 def test_cagrad_agrees_with_eager_on_generated_programs(cagrad_oracle: Oracle, program: Program) -> None:
     _assert_equal(cagrad_oracle, program)
@@ -540,7 +541,7 @@ TORCH_CA_CONFIG = GenConfig(
 )
 
 
-@settings(max_examples=8, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
 @given(programs(TORCH_CA_CONFIG))
 def test_torch_compiled_autograd_agrees_on_programs_it_supports(torch_ca_oracle: Oracle, program: Program) -> None:
     _assert_equal(torch_ca_oracle, program)

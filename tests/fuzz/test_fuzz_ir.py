@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 
 from fuzz.ir import SCHEMA_VERSION, IRError, Leaf, Op, Program, validate
 from fuzz.strategies import programs
+from tests.conftest import examples
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
 
 @SETTINGS

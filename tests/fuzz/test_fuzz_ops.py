@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuzz import functions
 from fuzz import ops as catalog
 from fuzz.render import ref_expr
+from tests.conftest import examples
 
 ALL_OPS = sorted(catalog.OPS)
 SMALL_DIM = 3  # keeps gradcheck's numerical Jacobians tiny
@@ -77,7 +78,7 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("name", ALL_OPS)
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=examples(10))
 @given(data=st.data())
 def test_op_rules_match_torch_and_gradients_check(name: str, data: st.DataObject) -> None:
     spec = catalog.OPS[name]

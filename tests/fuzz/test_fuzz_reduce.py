@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from fuzz.ir import Program, validate
 from fuzz.reduce import candidates, complexity, reduce_program
 from fuzz.strategies import programs
+from tests.conftest import examples
 
 
 def _has(op: str):
@@ -17,7 +18,7 @@ def _has(op: str):
     return lambda p: op in dataclasses.replace(p, inputs=None, mode="backward").pruned().op_names()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(programs(max_ops=12, ops=("neg", "sin", "mul", "matmul", "sum", "cat", "split", "transpose", "where")))
 def test_reduction_keeps_the_failure_and_never_grows(program: Program) -> None:
     pred = _has("mul")

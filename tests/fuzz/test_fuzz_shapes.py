@@ -19,6 +19,7 @@ from fuzz.oracle import Oracle
 from fuzz.reduce import candidates, reduce_program
 from fuzz.reproducer import read_reproducer, write_reproducer
 from fuzz.strategies import programs
+from tests.conftest import examples
 
 HERE = Path(__file__).resolve().parent
 FORGETFUL = f"{HERE / 'broken_subject.py'}:ForgetfulCagrad"
@@ -115,7 +116,7 @@ def test_pruning_drops_sizes_no_kept_leaf_has() -> None:
 def test_generation_draws_valid_size_sequences() -> None:
     seen: list[Program] = []
 
-    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(150), deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(programs())
     def collect(p: Program) -> None:
         validate(p)
@@ -130,7 +131,7 @@ def test_generation_draws_valid_size_sequences() -> None:
         assert all(old in sizes and old >= 2 and new >= 1 for step in p.resizes for old, new in step)
     assert any(new == 1 for p in seen for step in p.resizes for _, new in step) or len(seen) < 30
 
-    @settings(max_examples=40, deadline=None, database=None)
+    @settings(max_examples=examples(40), deadline=None, database=None)
     @given(programs(shapes=False))
     def none(p: Program) -> None:
         assert not p.resizes

@@ -59,12 +59,18 @@ def test_edited_cache_key_fails_with_diff(root, version_dir):
     node_type, hexbytes = lines[i].split()
     flipped = "ff" if hexbytes[-2:] != "ff" else "00"
     lines[i] = f"{node_type} {hexbytes[:-2]}{flipped}\n"
+    # the key's last decoded field ends with the flipped byte: keep the file consistent
+    last = next(j for j in range(i + 1, len(lines)) if not lines[j].startswith("    ")) - 1
+    field_hex = lines[last].split("]")[0].removeprefix("    [")
+    lines[last] = lines[last].replace(f"[{field_hex}]", f"[{field_hex[:-2]}{flipped}]", 1)
     path.write_text("".join(lines))
 
     result = cli("--root", root, "check", "broadcast")
-    assert result.exit_code == 1
+    assert result.exit_code == 1, result.output
+    assert "CHANGED broadcast" in result.output
     assert f"\n-{lines[i].rstrip()}\n" in result.output
     assert f"\n+{node_type} {hexbytes}\n" in result.output
+    assert f"NodeCall 0 {node_type}: `" in result.output  # the field-level line
     assert "[cache_keys]" in result.output.split("@@")[2]  # the hunk names its section
 
 
@@ -90,11 +96,17 @@ def test_malformed_snapshot_names_file_and_line(root, version_dir):
     assert f"views.txt:{i + 1}: expected a key line" in result.output
 
 
-def test_no_snapshot_directory_says_how_to_create_it(tmp_path):
+def test_no_snapshot_set_exits_2_naming_the_sets_and_the_command(tmp_path):
     result = cli("--root", tmp_path, "check")
-    assert result.exit_code == 1
-    assert f"no snapshot directory for torch {torch_version()}" in result.output
-    assert "accept" in result.output
+    assert result.exit_code == 2
+    assert f"no snapshot set for torch {torch_version()}" in result.output
+    assert "snapshot sets exist for torch: none" in result.output
+    assert f"golden_graphs --root {tmp_path} accept" in result.output
+    (tmp_path / "torch-2.11").mkdir()
+    (tmp_path / "torch-2.9").mkdir()
+    result = cli("--root", tmp_path, "check")
+    assert result.exit_code == 2
+    assert "snapshot sets exist for torch: 2.9, 2.11." in result.output
 
 
 def test_unknown_scenario_is_a_usage_error(root):
@@ -111,7 +123,7 @@ def test_root_from_environment(tmp_path, accepted_root):
     result = CliRunner().invoke(main, ["check", "broadcast"], env={ROOT_ENV: str(accepted_root)})
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(main, ["check"], env={ROOT_ENV: str(tmp_path)})
-    assert result.exit_code == 1
+    assert result.exit_code == 2
 
 
 def test_accept_into_empty_root_then_check_is_clean(tmp_path):

@@ -184,3 +184,39 @@ def test_sizes_kept_static_by_design_are_not_a_rule_failure() -> None:
     assert o.captures_per_variant == [1, 1, 0]  # 3 recaptures, back at 2 hits
     assert [v["allowed_captures"] for v in o.variants] == [1, 1, 0]
     assert report.outcome("torch_ca[eager]").captures_per_variant[0] == 1
+
+
+def test_a_variant_with_a_new_graph_may_capture_once() -> None:
+    seq = [((2,), (2,)), ((5,), (2,)), ((7,), (2,))]
+    assert allowed_captures(seq, True) == [1, 0, 0]
+    graphs = [("AliasBackward0", "SumBackward0"), ("SliceBackward0", "SumBackward0")] * 1 + [
+        ("SliceBackward0", "SumBackward0")
+    ]
+    assert allowed_captures(seq, True, graphs=graphs) == [1, 1, 0]
+    assert check_captures([1, 1, 0], seq, True, graphs=graphs) is None
+    assert check_captures([1, 1, 1], seq, True, graphs=graphs) is not None
+
+
+class SliceSequence(MmSumSequence):
+    """``x[b][(0:2,)].sum()``: at b = 2 the slice (a tuple index) is the
+    whole tensor, and torch records an ``AliasBackward0``; at b = 5 a
+    ``SliceBackward0``: another graph, which cagrad captures (found by a fuzz
+    campaign)."""
+
+    def size_variants(self) -> list[SizeVariant]:
+        def sliced(b: int):
+            def build(device: torch.device) -> ProgramRun:
+                x = torch.rand(b, dtype=torch.float64, device=device).requires_grad_()
+                return ProgramRun(leaves=[x], outputs=[x[(slice(0, 2, 1),)].sum()])
+
+            return CallableProgram(f"slice[{b}]", build)
+
+        return [SizeVariant(f"x[{b}]", (b,), sliced(b), ((b,), (2,), ())) for b in self.batches]
+
+
+def test_a_size_that_changes_the_graph_is_not_a_rule_failure() -> None:
+    report = harness.run_differential(SliceSequence(2, 5, 7), ["cagrad[eager]"], ["cpu"])
+    assert report.ok, report.summary()
+    o = report.outcome("cagrad[eager]")
+    assert [v["allowed_captures"] for v in o.variants] == [1, 1, 0]
+    assert o.captures_per_variant == [1, 1, 0]

@@ -8,7 +8,7 @@ import torch
 
 import harness
 from harness import EagerSubject, Status, examples
-from harness.program import run_backward
+from harness.program import CallableProgram, ProgramRun, run_backward
 from harness.tolerance import Tolerance, python_float_tolerance, tolerance_for
 
 
@@ -91,3 +91,28 @@ def test_custom_policy_is_applied():
     assert harness.run_differential(prog, [ScaleGrads(5e-7)], devices="cpu").ok
     report = harness.run_differential(prog, [ScaleGrads(5e-7)], devices="cpu", policy=strict)
     assert report.outcomes[0].status is Status.MISMATCH
+
+
+def _mixed(leaf_dtype: torch.dtype) -> CallableProgram:
+    """``prod(a + b)`` with ``a`` float32 [4] and ``b`` a 0-d leaf of
+    ``leaf_dtype``: ``b``'s grad is a float32 sum cast to ``leaf_dtype``."""
+
+    def build(device: torch.device) -> ProgramRun:
+        g = torch.Generator().manual_seed(0)
+        a = torch.rand(4, generator=g).to(device).requires_grad_()
+        b = torch.rand((), generator=g, dtype=leaf_dtype).to(device).requires_grad_()
+        return ProgramRun(leaves=[a, b], outputs=[torch.prod(a + b, 0)])
+
+    return CallableProgram(f"mixed[{leaf_dtype}]", build)
+
+
+def test_a_float64_leaf_fed_by_float32_values_is_judged_at_float32():
+    # found by a fuzz campaign: cagrad's ProdBackward1 (the formula that is
+    # safe with zeros, as torch's compiled autograd traces it too) rounds
+    # differently from eager's grad * (result / input) by a few float32 ulps,
+    # which then reach a float64 leaf through the float32 add
+    report = harness.run_differential(_mixed(torch.float64), [ScaleGrads(5e-7)], devices="cpu")
+    assert report.ok, report.summary()
+    # the same error on an all-float64 program is a mismatch at 1e-7
+    report = harness.run_differential(examples.mlp_program("backward", torch.float64), [ScaleGrads(5e-7)], "cpu")
+    assert report.outcomes[0].status is Status.MISMATCH and report.outcomes[0].mismatch.rtol == 1e-7

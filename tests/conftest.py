@@ -1,0 +1,72 @@
+"""Hypothesis settings profiles for the whole suite.
+
+``CAGRAD_HYPOTHESIS_PROFILE`` picks one (default ``ci``):
+
+* ``ci``: derandomized (every run draws the same examples), no example
+  database, no deadline, slow-data health checks off: a clean clone's
+  ``python -m pytest -q`` gives the same result every time;
+* ``dev``: random examples on every run, failures saved to the local
+  database (``.hypothesis/``) and replayed first next time;
+* ``nightly``: random, :data:`NIGHTLY_FACTOR` times the examples.
+
+Tests that set ``max_examples`` themselves wrap the number in
+:func:`examples` so that it scales with the profile.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+PROFILE_ENV = "CAGRAD_HYPOTHESIS_PROFILE"
+PROFILES = ("ci", "dev", "nightly")
+NIGHTLY_FACTOR = 10
+
+# Drawing a program and running it under autograd is slow next to what
+# Hypothesis expects of a data generator; these checks only say so.
+_SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, suppress_health_check=_SLOW_DATA)
+settings.register_profile(
+    "dev",
+    derandomize=False,
+    database=DirectoryBasedExampleDatabase(".hypothesis/examples"),
+    deadline=None,
+    suppress_health_check=_SLOW_DATA,
+)
+settings.register_profile(
+    "nightly",
+    derandomize=False,
+    database=None,
+    deadline=None,
+    max_examples=NIGHTLY_FACTOR * settings.get_profile("default").max_examples,
+    suppress_health_check=_SLOW_DATA,
+)
+
+
+def profile_name() -> str:
+    """The profile ``CAGRAD_HYPOTHESIS_PROFILE`` names (``ci`` when unset).
+
+    Raises:
+        ValueError: the variable names no profile; the message lists them.
+    """
+    name = os.environ.get(PROFILE_ENV, "").strip() or "ci"
+    if name not in PROFILES:
+        raise ValueError(f"{PROFILE_ENV}={name!r} is not a Hypothesis profile; expected one of {list(PROFILES)}")
+    return name
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a test that draws ``n`` under ``ci`` and ``dev``:
+    ``n`` times :data:`NIGHTLY_FACTOR` under ``nightly``."""
+    return n * NIGHTLY_FACTOR if profile_name() == "nightly" else n
+
+
+settings.load_profile(profile_name())
+
+
+def pytest_report_header(config) -> str:
+    """One header line: which profile the run uses."""
+    return f"hypothesis profile: {profile_name()} (set {PROFILE_ENV}=ci|dev|nightly)"

@@ -1,0 +1,41 @@
+"""Subjects that take their process down, for testing the campaign's workers.
+
+``AbortOnSin`` is eager autograd that calls :func:`os.abort` (SIGABRT, as a
+failed C++ assert in a backend would) when the backward graph holds a
+``SinBackward0`` node. ``HangOnExp`` sleeps forever when it holds an
+``ExpBackward0`` node. Every other program agrees with eager. Load them
+with ``--plugin PATH/crashing_subject.py:AbortOnSin`` (or ``:HangOnExp``).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import time
+from pathlib import Path
+
+import harness
+from harness.program import ProgramRun, run_backward
+
+graph_has = runpy.run_path(str(Path(__file__).with_name("broken_subject.py")))["graph_has"]
+
+
+class AbortOnSin(harness.EagerSubject):
+    def __init__(self) -> None:
+        super().__init__("abort[sin]")
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "SinBackward0"):
+            os.abort()
+        return run_backward(run)
+
+
+class HangOnExp(harness.EagerSubject):
+    def __init__(self) -> None:
+        super().__init__("hang[exp]")
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "ExpBackward0"):
+            while True:
+                time.sleep(1)
+        return run_backward(run)

@@ -1,0 +1,181 @@
+"""Known-issues files (fuzz/known.py) and the shipped fuzz/known_issues.toml."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fuzz.known import KnownIssue, KnownIssues, KnownIssuesError
+from fuzz.signature import make_signature
+
+GOOD = """\
+schema = 1
+
+[[issue]]
+id = "ca-order"
+pattern = "torch_ca[eager]@* mismatch trace: *"
+subjects = ["torch_ca*"]
+torch = ">=2.11,<2.14"
+note = "hook order"
+link = "https://example.org/1"
+
+[[issue]]
+id = "any-timeout"
+pattern = "*@* timeout timeout: timeout"
+note = "slow"
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "known.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_good_file_loads_and_matches(tmp_path: Path) -> None:
+    known = KnownIssues.load(_write(tmp_path, GOOD))
+    assert [i.id for i in known] == ["ca-order", "any-timeout"]
+    first = known.issues[0]
+    assert first.subjects == ("torch_ca*",) and first.torch == ">=2.11,<2.14" and first.link == "https://example.org/1"
+    assert known.issues[1].subjects == () and known.issues[1].torch is None and known.issues[1].link == ""
+    sig = "torch_ca[eager]@cpu mismatch trace: trace: hook events in another order"
+    assert known.match(sig, "2.13.0+cpu") is first
+    assert known.match("cagrad[eager]@cpu timeout timeout: timeout", "2.13.0") is known.issues[1]
+    assert known.match("cagrad[eager]@cpu mismatch trace: trace values differ", "2.13.0") is None
+
+
+def test_matching_by_torch_version(tmp_path: Path) -> None:
+    known = KnownIssues.load(_write(tmp_path, GOOD))
+    sig = "torch_ca[eager]@cuda mismatch trace: x"
+    assert known.match(sig, "2.11.0") is not None
+    assert known.match(sig, "2.13.0a0+git1234abc") is not None  # pre-release and local builds count
+    assert known.match(sig, "2.10.1") is None
+    assert known.match(sig, "2.14.0") is None
+    with pytest.raises(ValueError, match="not a PEP 440 version"):
+        known.match(sig, "banana")
+
+
+def test_matching_by_subject() -> None:
+    issue = KnownIssue(id="x", pattern="*mismatch value: *", subjects=("torch_ca*", "broken[mul]"), note="n")
+    known = KnownIssues([issue])
+    assert known.match("torch_ca[aot_eager]@cpu mismatch value: grad values differ", "2.13.0") is issue
+    # brackets are literal, not a character class
+    assert known.match("broken[mul]@cpu mismatch value: grad values differ", "2.13.0") is issue
+    assert known.match("brokenm@cpu mismatch value: grad values differ", "2.13.0") is None
+    assert known.match("cagrad[eager]@cpu mismatch value: grad values differ", "2.13.0") is None
+
+
+def test_json_files_load_too(tmp_path: Path) -> None:
+    doc = {"issue": [{"id": "a", "pattern": "x*", "note": "n", "torch": "==2.13.*"}]}
+    known = KnownIssues.load(_write(tmp_path, json.dumps(doc), "known.json"))
+    assert known.match("xyz@cpu", "2.13.0") is known.issues[0]
+    with pytest.raises(KnownIssuesError, match=r"bad\.json:1: not valid JSON: Expecting property name"):
+        KnownIssues.load(_write(tmp_path, "{", "bad.json"))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        # unknown key, pointing at its line
+        (GOOD.replace('note = "slow"', 'note = "slow"\nsubject = ["x"]'),
+         r"known\.toml:15: issue 2: unknown key\(s\) \['subject'\]; expected \['id', 'pattern', 'note'\]"),
+        # missing pattern, pointing at the entry's header
+        (GOOD.replace('pattern = "*@* timeout timeout: timeout"\n', ""),
+         r"known\.toml:11: issue 2: missing required key 'pattern'"),
+        # a bad specifier
+        (GOOD.replace(">=2.11,<2.14", "2.13 or later"),
+         r"known\.toml:7: issue 1: 'torch' = '2\.13 or later' is not a PEP 440 version specifier; expected e\.g\."),
+        # wrong types
+        (GOOD.replace('subjects = ["torch_ca*"]', 'subjects = "torch_ca*"'),
+         r"known\.toml:6: issue 1: 'subjects' must be a list of glob strings"),
+        (GOOD.replace('id = "any-timeout"', "id = 3"), r"known\.toml:12: issue 2: 'id' must be a non-empty string, got 3"),
+        # duplicate ids
+        (GOOD.replace('"any-timeout"', '"ca-order"'),
+         r"known\.toml:12: issue 2: id 'ca-order' is already used by issue 1"),
+        # unknown top-level key, schema
+        ("issues = []\n", r"known\.toml:1: unknown top-level key\(s\) \['issues'\]; expected \['schema', 'issue'\]"),
+        ("schema = 2\n", r"known\.toml:1: schema 2 is not supported; expected 1"),
+        ("issue = 3\n", r"'issue' must be a list of tables"),
+        # not TOML at all
+        ("[[issue]\nid = 1", r"known\.toml: not valid TOML: .*line 1"),
+    ],
+)
+def test_bad_files_name_the_file_line_and_what_was_expected(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(KnownIssuesError, match=message):
+        KnownIssues.load(_write(tmp_path, text))
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(KnownIssuesError, match=r"nope\.toml: cannot read known-issues file"):
+        KnownIssues.load(tmp_path / "nope.toml")
+
+
+# Outcomes recorded from `python -m fuzz campaign --subjects 'torch_ca[eager]'`
+# on torch 2.13.0 (CPU), seeds 1, 2 and 5 (first_outcome of report.json,
+# tracebacks cut).
+TORCH_CA_213 = {
+    "torch-ca-queue-callback": ("error", "AssertionError", {
+        "status": "error", "mismatches": [], "eager_error": None,
+        "error": {"type": "AssertionError", "traceback": "...", "message": (
+            "queue_callback() is only supported when Compiled Autograd is enabled with fullgraph=True\n\n"
+            "from user code:\n   File \"<eval_with_key>.72\", line 27, in forward\n    call_hook = "
+            "torch__dynamo_external_utils_call_hook(getitem_11, getitem_1, hook_type = 'post_acc_grad_hook')\n")}}),
+    "torch-ca-post-hook-drop": ("error", "TypeError", {
+        "status": "error", "mismatches": [], "eager_error": None,
+        "error": {"type": "TypeError", "traceback": "...",
+                  "message": "add(): argument 'input' (position 1) must be Tensor, not NoneType"}}),
+    "torch-ca-post-hook-drop-function": ("error", "torch._dynamo.exc.TorchRuntimeError", {
+        "status": "error", "mismatches": [], "eager_error": None,
+        "error": {"type": "torch._dynamo.exc.TorchRuntimeError", "traceback": "...", "message": (
+            "RuntimeError when making fake tensor call\n  Explanation: Dynamo failed to run FX node with fake "
+            "tensors: call_function <built-in function mul>(*(None, FakeTensor(..., size=(1, 5, 3, 2))), **{}): "
+            "got TypeError(\"unsupported operand type(s) for *: 'NoneType' and 'FakeTensor'\")\n  Hint: Your code "
+            "may result in an error when running in eager.\n\nfrom user code:\n   File \"<eval_with_key>.432\"")}}),
+    "torch-ca-dynamic-split-validate-outputs": ("error", "torch._dynamo.exc.TorchRuntimeError", {
+        "status": "error", "mismatches": [], "eager_error": None,
+        "error": {"type": "torch._dynamo.exc.TorchRuntimeError", "traceback": "...", "message": (
+            "RuntimeError when making fake tensor call\n  Explanation: Dynamo failed to run FX node with fake "
+            "tensors: call_function torch._dynamo.compiled_autograd.ops.validate_outputs(*([FakeTensor(..., "
+            "size=(s57, s40, 3))], [((None, None, device(type='cpu'), 6, 0, None), [s70, s36, s13], False, 6)]), "
+            "**{}): got RuntimeError('[Compiled Autograd Tracing:]invalid gradient at index 0 - got [s57, s40, 3] "
+            "but expected shape compatible with [s70, s36, s13]')\n  Hint: Your code may result in an error when "
+            "running in eager.\n\n  Developer debug context: \n\nfrom user code:\n")}}),
+    "torch-ca-segfault-post-hook-drop": ("crash", "crash", {
+        "status": "crash", "signal": "SIGSEGV", "detail": "worker exit code -11"}),
+    "torch-ca-retain-grad-autograd-grad": ("mismatch", "meta", {
+        "status": "mismatch", "error": None, "eager_error": None, "mismatches": [
+            {"where": "leaf 1 .grad", "detail": "eager has tensor(shape=(1, 1), dtype=torch.float32, device=cpu), "
+             "subject has None", "max_abs": None, "max_rel": None, "rtol": None, "atol": None}]}),
+    "torch-ca-hook-on-unused-function-output": ("error", "AttributeError", {
+        "status": "error", "mismatches": [], "eager_error": None,
+        "error": {"type": "AttributeError", "traceback": "...", "message": "'NoneType' object has no attribute 'op'"}}),
+    "torch-ca-hook-order": ("mismatch", "trace", {
+        "status": "mismatch", "error": None, "eager_error": None, "mismatches": [
+            {"where": "trace[0][0]", "detail": "eager has 'h3 post v2', subject has 'h1 pre v0'",
+             "max_abs": None, "max_rel": None, "rtol": None, "atol": None},
+            {"where": "trace[0][1]", "detail": "length differs: eager 2, subject 1",
+             "max_abs": None, "max_rel": None, "rtol": None, "atol": None}]}),
+    "torch-ca-grad-values": ("mismatch", "value", {
+        "status": "mismatch", "error": None, "eager_error": None, "mismatches": [
+            {"where": "grad result 1", "detail": "Tensor-likes are not close!",
+             "max_abs": 1.0, "max_rel": 1.0, "rtol": 1.3e-06, "atol": 1e-05}]}),
+}
+
+
+def test_the_shipped_file_matches_torch_ca_divergences_on_213() -> None:
+    known = KnownIssues.default()
+    assert {i.id for i in known} >= set(TORCH_CA_213)
+    for issue_id, (status, kind, outcome) in TORCH_CA_213.items():
+        for device in ("cpu", "cuda"):
+            sig = make_signature("torch_ca[eager]", device, status, kind, {"subject": "torch_ca[eager]", **outcome})
+            hit = known.match(sig, "2.13.0+cpu")
+            assert hit is not None and hit.id == issue_id, sig
+            assert hit.note
+            # the same divergence of another subject is not known
+            assert known.match(sig.replace("torch_ca[eager]", "cagrad[eager]", 1), "2.13.0") is None
+            # nor on a torch version the entry does not name
+            assert known.match(sig, "2.14.0") is None
+    # a new divergence of torch_ca is not known
+    assert known.match("torch_ca[eager]@cpu error RuntimeError: RuntimeError: something new", "2.13.0") is None

@@ -1,0 +1,230 @@
+"""Neighbour sequences (fuzz.neighbours) and the oracle's cache check.
+
+The planted fault: SoftmaxBackward0's key leaves out ``dim``, so a later
+softmax over another dim hits the earlier graph and silently gets its
+gradients (the fault the issue planted by hand, planted here by the test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import cagrad
+from cagrad import compiled_node_args
+from fuzz.ir import Hook, Leaf, Op, Program, validate
+from fuzz.neighbours import CHANGE_KINDS, derive, neighbours
+from fuzz.oracle import Oracle
+from fuzz.reproducer import read_reproducer, run_reproducer, write_reproducer
+from fuzz.strategies import GenConfig, programs
+
+SOFTMAX = Program(
+    leaves=(Leaf("x0", (3, 4), "float64"),),
+    ops=(Op("v0", "softmax", ("x0",), {"dim": 0}), Op("v1", "mul", ("v0", "v0"))),
+    roots=("v1",),
+    seed=3,
+)
+
+
+def plant(monkeypatch: pytest.MonkeyPatch, node: str, attr: str) -> None:
+    """Plants the fault: ``node``'s key leaves out attribute ``attr``."""
+    original = compiled_node_args.Collector._write_traced
+
+    def faulty(self: Any, w: Any, call: Any, schema: Any) -> None:
+        if schema.name == node:
+            schema = dataclasses.replace(schema, values=tuple(a for a in schema.values if a != attr))
+        original(self, w, call, schema)
+
+    monkeypatch.setattr(compiled_node_args.Collector, "_write_traced", faulty)
+
+
+@pytest.fixture
+def fresh_cagrad() -> Any:
+    """Empties cagrad's caches before and after, so that no entry compiled
+    under a planted fault outlives the test."""
+    cagrad.reset()
+    yield
+    cagrad.reset()
+
+
+@pytest.fixture
+def softmax_dim_left_out(monkeypatch: pytest.MonkeyPatch, fresh_cagrad: None) -> Any:
+    plant(monkeypatch, "SoftmaxBackward0", "dim")
+    yield
+    monkeypatch.undo()
+
+
+def _generated(count: int) -> list[Program]:
+    found: list[Program] = []
+
+    @settings(
+        max_examples=count, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+    @given(programs(GenConfig()))
+    def collect(program: Program) -> None:
+        found.append(program)
+
+    collect()
+    return found
+
+
+def _differences(a: Program, b: Program) -> list[str]:
+    da, db = a.with_name("").to_dict(), b.with_name("").to_dict()
+    return [k for k in da if da[k] != db.get(k)]
+
+
+# ------------------------------------------------------------- derivation
+def test_neighbours_are_deterministic_valid_and_change_one_thing() -> None:
+    kinds = set()
+    for program in _generated(60):
+        first = derive(program, 3)
+        again = derive(program.with_name("renamed"), 3)  # the name is not part of the seed
+        assert [nb.label for nb in first] == [nb.label for nb in again]
+        assert [nb.program for nb in first] == [nb.program for nb in again]
+        assert len({nb.program.with_name("").to_json() for nb in first}) == len(first)
+        has_attrs = any(op.attrs for op in program.ops)
+        if first and has_attrs:
+            assert first[0].kind == "attr"  # attribute changes come first
+        for nb in first:
+            kinds.add(nb.kind)
+            validate(nb.program)
+            assert nb.program.resizes == ()
+            changed = _differences(program.without_resizes(), nb.program)
+            expected = {
+                "attr": ["ops"], "edge": ["ops"], "dtype": ["leaves"], "size": ["leaves"],
+                "requires_grad": ["leaves"], "hook": ["hooks"], "values": ["seed"],
+            }[nb.kind]
+            assert changed == expected, (nb.label, changed)
+    assert kinds == set(CHANGE_KINDS)
+
+
+def test_labels_name_the_change() -> None:
+    program = dataclasses.replace(SOFTMAX, hooks=(Hook("h0", "tensor", "v0", "scale", 2.0),))
+    labels = {nb.label: nb.program for nb in derive(program, 40)}
+    assert "ops[0].attrs.dim: 0 -> 1" in labels
+    assert labels["ops[0].attrs.dim: 0 -> 1"].ops[0].attrs == {"dim": 1}
+    assert labels["leaves[0].dtype: float64 -> float32"].leaves[0].dtype == "float32"
+    assert labels["size 4 -> 5"].leaves[0].shape == (3, 5)
+    assert labels["seed: 3 -> 4"].seed == 4
+    assert labels["hooks[0].arg: 2.0 -> -2.0"].hooks[0].arg == -2.0
+    assert labels["hooks: - h0 tensor v0 scale"].hooks == ()
+    assert labels["ops[1].inputs[1]: v0 -> x0"].ops[1].inputs == ("v0", "x0")
+    assert [p.name.split(" ", 1)[1] for p in neighbours(program, 3)] == [nb.label for nb in derive(program, 3)]
+    assert derive(program, 0) == []
+
+
+# ----------------------------------------------------------------- oracle
+def test_oracle_finds_the_planted_wrong_hit_on_a_known_program(softmax_dim_left_out: None) -> None:
+    verdict = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=1).run(SOFTMAX)
+    [key] = verdict.keys
+    assert (key.subject, key.status, key.kind) == ("cagrad[eager]", "mismatch", "cache")
+    outcome = verdict.outcome(key)
+    assert outcome is not None and outcome.mismatches[0].where == "cache"
+    assert "ops[0].attrs.dim: 0 -> 1" in outcome.mismatches[0].detail
+    assert any(m.where.startswith("leaf") for m in outcome.mismatches[1:])
+    [check] = verdict.neighbours
+    assert (check.status, check.hit, check.kind) == ("cache", True, "attr")
+    assert any("neighbour 1 (ops[0].attrs.dim: 0 -> 1) hit, cache" in n for n in verdict.report.notes)
+    # without neighbours the same program passes: every run starts from a fresh cache
+    assert Oracle(["cagrad[eager]"], devices=["cpu"]).run(SOFTMAX).ok
+
+
+def test_oracle_neighbours_agree_without_the_fault() -> None:
+    verdict = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=4).run(SOFTMAX)
+    assert verdict.ok, verdict.report.summary()
+    assert [c.status for c in verdict.neighbours] == ["equal"] * 4
+    assert any(c.hit for c in verdict.neighbours)  # the seed/size changes reuse the graph
+
+
+def test_a_campaign_of_generated_programs_finds_the_planted_fault(
+    monkeypatch: pytest.MonkeyPatch, fresh_cagrad: None
+) -> None:
+    """As a campaign would: generated programs (whole catalog), 2
+    neighbours, stop at the first failure, within 300 programs (bounded by
+    count, not time, so a busy machine cannot fail it); the fault here is
+    FlipBackward0's key leaving out ``dims``."""
+    generated = _generated(300)
+    plant(monkeypatch, "FlipBackward0", "dims")
+    oracle = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=2)
+    found, ran = None, 0
+    for program in generated:
+        ran += 1
+        verdict = oracle.run(program)
+        if verdict.keys:
+            found = (program, verdict)
+            break
+    assert found is not None, f"no divergence in {ran} programs"
+    program, verdict = found
+    assert [k.kind for k in verdict.keys] == ["cache"], verdict.report.summary()
+    assert "attrs.dims" in verdict.outcome(verdict.keys[0]).mismatches[0].detail
+    # without the fault: that program and the first ones agree, neighbours included
+    monkeypatch.undo()
+    cagrad.reset()
+    clean = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=2)
+    for p in [program, *generated[:8]]:
+        verdict = clean.run(p)
+        assert verdict.ok, verdict.report.summary()
+
+
+# ------------------------------------------------------------- reproducer
+def test_reproducer_replays_the_sequence(tmp_path: Any, softmax_dim_left_out: None, capsys: Any) -> None:
+    path = write_reproducer(tmp_path / "reproducer.py", SOFTMAX, subjects=["cagrad[eager]"], devices=["cpu"], neighbours=1)
+    text = path.read_text()
+    assert "NEIGHBOURS = 1" in text and "neighbour 1: ops[0].attrs.dim: 0 -> 1" in text
+    data = read_reproducer(path)
+    assert data["neighbours"] == 1 and data["program"] == SOFTMAX
+    args = (SOFTMAX.to_json(), ["cagrad[eager]"], [], ["cpu"])
+    assert run_reproducer(*args, [], neighbours=1) == 1
+    out = capsys.readouterr().out
+    assert "cache" in out and "ops[0].attrs.dim: 0 -> 1" in out
+    assert run_reproducer(*args, ["--neighbours", "0"], neighbours=1) == 0  # the program alone passes
+    assert run_reproducer(*args, ["--show"], neighbours=1) == 0
+    assert "# neighbour 1 (same cagrad state, no reset): ops[0].attrs.dim: 0 -> 1" in capsys.readouterr().out
+    assert run_reproducer(*args, ["--neighbours", "-1"]) == 2
+
+
+def test_reproducer_without_neighbours_field_reads_zero(tmp_path: Any) -> None:
+    path = write_reproducer(tmp_path / "r.py", SOFTMAX, subjects=["cagrad[eager]"], devices=["cpu"])
+    old = path.read_text().replace("NEIGHBOURS = 0\n", "").replace(", neighbours=NEIGHBOURS", "")
+    path.write_text(old)
+    assert read_reproducer(path)["neighbours"] == 0
+    path.write_text(old.replace("DEVICES = ['cpu']", "DEVICES = ['cpu']\nNEIGHBOURS = 'two'"))
+    with pytest.raises(ValueError, match="NEIGHBOURS must be an int >= 0"):
+        read_reproducer(path)
+
+
+def test_a_two_minute_campaign_finds_a_planted_key_fault_as_a_cache_divergence(tmp_path: Any) -> None:
+    """The done-when case end to end: ``python -m fuzz campaign`` (worker
+    processes, 2 neighbours, a 120 s budget, the whole op catalog) with a
+    subject whose key leaves ``dim`` out of CumsumBackward0's
+    (tests/fuzz/planted_key_fault.py) records a ``cache`` failure whose
+    reproducer replays the neighbour sequence. Seed 1 meets it at about the
+    25th program (20 s here); the campaign stops at 40 programs, so a slow
+    machine cannot make the test miss it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "120", "--seed", "1",
+            "--out", str(out), "--workers", "1", "--known", "none", "--no-progress", "--shrink-seconds", "30",
+            "--max-programs", "40", "--plugin", f"{here / 'planted_key_fault.py'}:KeyLeavesOutOneAttribute",
+        ],
+        capture_output=True, text=True, timeout=400, cwd=here.parent.parent,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    kinds = {f["kind"] for f in report["failures"]}
+    assert "cache" in kinds, [f["signature"] for f in report["failures"]]
+    cache = next(f for f in report["failures"] if f["kind"] == "cache")
+    assert "cumsum" in cache["ops"] and ".attrs.dim" in cache["signature"], cache
+    text = (out / cache["reproducer"]).read_text()
+    assert "NEIGHBOURS = 2" in text
+    assert read_reproducer(out / cache["reproducer"])["neighbours"] == 2

@@ -1,0 +1,49 @@
+"""Isolated workers: a subject that aborts its process or hangs is recorded
+as a ``crash``/``timeout`` failure with a reproducer, and the campaign goes on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from fuzz.ir import Program
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+CRASHING = HERE / "crashing_subject.py"
+
+
+def test_crashing_and_hanging_subjects_are_recorded_and_the_campaign_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "40", "--seed", "2",
+            "--out", str(out), "--workers", "2", "--timeout", "3", "--shrink-seconds", "5", "--no-progress",
+            "--ops", "sin,exp,neg,abs,sum", "--max-ops", "2", "--no-hooks", "--known", "none", "--neighbours", "0",
+            "--plugin", f"{CRASHING}:AbortOnSin", "--plugin", f"{CRASHING}:HangOnExp",
+        ],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["exit_status"] == 1 and report["throughput"]["workers"] == 2
+    assert report["elapsed_s"] >= 40  # the budget was used up, not cut short by a crash
+    by_kind = {f["kind"]: f for f in report["failures"]}
+    assert set(by_kind) == {"crash", "timeout"}, [f["signature"] for f in report["failures"]]
+    crash, hang = by_kind["crash"], by_kind["timeout"]
+    assert crash["signature"] == "abort[sin]@cpu crash crash: SIGABRT"
+    assert crash["first_outcome"]["signal"] == "SIGABRT" and crash["status"] == "crash"
+    assert hang["signature"] == "hang[exp]@cpu timeout timeout: timeout"
+    assert hang["first_outcome"]["seconds"] == 3 and hang["status"] == "timeout"
+    # the recorded programs hold the op that triggers each (shrinking keeps it)
+    assert "sin" in Program.from_json((out / crash["program_json"]).read_text()).op_names()
+    assert "exp" in Program.from_json((out / hang["program_json"]).read_text()).op_names()
+    # programs beside the failing ones ran and were counted (a crash did not end the campaign)
+    assert report["programs_run"] > max(crash["count"], hang["count"])
+    # the crash reproducer, run, dies the same way
+    repro = subprocess.run([sys.executable, str(out / crash["reproducer"])], capture_output=True, timeout=120, cwd=ROOT)
+    assert repro.returncode == -signal.SIGABRT
+    assert (out / hang["reproducer"]).exists()
