@@ -3,7 +3,7 @@
 Inside ``with cagrad.enable(compiler_fn):`` every backward pass is walked,
 keyed node by node (:class:`CacheKey`), looked up in a shadow-graph cache,
 and on a miss traced whole into one FX graph that ``compiler_fn`` compiles.
-See DESIGN.md for the architecture; the modules map onto it:
+See docs/DESIGN.md for the architecture; the modules map onto it:
 
 =====================  =====================================================
 ``graph_task``         GraphTask: dependencies, ``inputs=``, eager's order
