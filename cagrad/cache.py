@@ -72,6 +72,10 @@ class CacheNode:
         captures: on the root: how many graphs were captured under it.
         force_opaque: run-order positions of nodes that failed to trace;
             captures of this key sequence call them as they are.
+        guard: the generated hit check of this key sequence
+            (:class:`cagrad.hit_path.HitGuard`), or None.
+        guards: on the root: the guards to try before a full collection,
+            most recently hit first.
     """
 
     __slots__ = (
@@ -83,6 +87,8 @@ class CacheNode:
         "respeculations",
         "captures",
         "force_opaque",
+        "guard",
+        "guards",
     )
 
     def __init__(self) -> None:
@@ -94,6 +100,8 @@ class CacheNode:
         self.respeculations = 0
         self.captures = 0
         self.force_opaque: frozenset[int] = frozenset()
+        self.guard: Any = None
+        self.guards: list[Any] = []
 
     def match(self, values: Sequence[int]) -> tuple[CompiledEntry, list[int]] | None:
         """The first variant whose size check accepts ``values``, with its symbol values."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import events, explain, host, logs, run_context, runtime, segments
+from . import events, explain, hit_path, host, logs, run_context, runtime, segments
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
@@ -219,6 +219,10 @@ def run(
     outs = None
     try:
         check_supported_mode(call.create_graph)
+        if cache.guards and hit_path.eligible_call(call):
+            fast = _try_guards(call, cache)
+            if fast is not None:
+                return _run_guarded(call, cache, *fast)
         collected = collect_backward(
             call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph
         )
@@ -240,18 +244,21 @@ def run(
         else:
             entry, sym_values = found
             counters.bump("cache_hits")
+        fresh = node.guard is None and entry.segmented is None
         graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
         if entry.segmented is None:
             first_run = entry.calls == 0
             try:
                 with events.running():
-                    outs = runtime.call_whole(entry, collected, graph_sizes)
+                    outs = runtime.call_whole(entry, collected.collector.args.tensors, graph_sizes)
             except Exception as e:
                 if not first_run:
                     raise
                 # the first call is when torch.compile compiles: a backend failure
                 node.verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
                 raise Unsupported(node.verdict.reason, node.verdict.detail) from e
+            if fresh:
+                _add_guard(collected, call, cache, node)
     except Unsupported as u:
         counters.record_fallback(u.reason, u.detail)
         return call.run_eager(eager_engine)
@@ -259,7 +266,7 @@ def run(
         counters.record_fallback("eager_error", f"eager raises here: {e.cause}")
         return call.run_eager(eager_engine)
     if outs is not None:
-        result = runtime.finish_whole(entry, collected, outs)
+        result = runtime.finish_whole(entry, [c.node for c in collected.task.order], outs)
     else:
         deopts = entry.deopts
         with events.running():
@@ -278,6 +285,106 @@ def run(
         return None
     runtime.check_unused(result, call.allow_unreachable)
     return tuple(result)
+
+
+def _try_guards(call: BackwardCall, cache: CacheNode) -> tuple | None:
+    """The first guard that accepts this backward, with its hit and variant.
+
+    None sends the backward down the full path: no guard accepts it, some
+    hook is live somewhere, its key sequence has a fallback verdict now, or
+    no variant accepts its sizes (a capture follows).
+    """
+    census = Census()
+    if not hit_path.census_is_clear(census):
+        return None
+    guards = cache.guards
+    for i, guard in enumerate(guards):
+        hit = guard(call.tensors, call.grad_tensors, census.counts)
+        if hit is None:
+            continue
+        if census.claim_slots and hit_path.has_foreign_saved_hooks(hit):
+            return None
+        node = guard.node
+        found = node.match(hit.values) if node.verdict is None else None
+        if found is None:
+            return None
+        if i:
+            guards.insert(0, guards.pop(i))
+        return guard, hit, found
+    return None
+
+
+def _run_guarded(
+    call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit, found: tuple
+) -> None:
+    """Runs a backward a guard accepted: call, accumulate, release."""
+    entry, sym_values = found
+    if hit_path.verify_enabled():
+        _verify_hit(call, cache, guard, hit)
+    counters.bump("cache_hits")
+    counters.bump("guard_hits")
+    graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
+    with events.running():
+        outs = runtime.call_whole(entry, hit.tensors, graph_sizes)
+    runtime.finish_whole(entry, hit.order, outs)
+    if not call.keep_graph:
+        order = hit.order
+        runtime.release_slots([(order[pos], attr, index) for pos, attr, index in guard.release_slots])
+    return None
+
+
+def _add_guard(collected: CollectedBackward, call: BackwardCall, cache: CacheNode, node: CacheNode) -> None:
+    """Generates ``node``'s guard (once; False marks a graph it cannot guard)."""
+    try:
+        guard = hit_path.build(collected, call, node)
+    except Exception:  # noqa: BLE001 - a generator bug must not cost the backward
+        log.warning("cagrad could not generate a hit guard; this graph takes the full path", exc_info=True)
+        guard = None
+    if guard is None:
+        node.guard = False
+        return
+    node.guard = guard
+    cache.guards.insert(0, guard)
+    if len(cache.guards) > hit_path.MAX_GUARDS:
+        dropped = cache.guards.pop()
+        dropped.node.guard = None  # rebuilt at its next full-path hit
+
+
+def _verify_hit(call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit) -> None:
+    """``CAGRAD_VERIFY_GUARDS=1``: the full path must agree with the guard.
+
+    Raises:
+        RuntimeError: the guard accepted a backward that the full collection
+            keys or lifts differently (a bug in :mod:`cagrad.hit_path`).
+    """
+    collected = collect_backward(call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad)
+    problems = []
+    if cache.find(collected.keys) is not guard.node:
+        problems.append("the key sequence ends at another CacheNode")
+    if collected.collector.sizes.values != hit.values:
+        problems.append(f"size slots {collected.collector.sizes.values} != {hit.values}")
+    order = tuple(c.node for c in collected.task.order)
+    if len(order) != len(hit.order) or any(a is not b for a, b in zip(order, hit.order)):
+        problems.append("another run order")
+    tensors = collected.collector.args.tensors
+    if len(tensors) != len(hit.tensors) or not all(map(_same_tensor, tensors, hit.tensors)):
+        problems.append("other lifted tensors")
+    if problems:
+        raise RuntimeError(
+            "cagrad internal error: a hit guard accepted a backward the full path sees "
+            f"differently ({'; '.join(problems)}); guard source:\n{guard.source}"
+        )
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.dtype == b.dtype
+        and a.requires_grad == b.requires_grad
+    )
 
 
 MAX_RESPECULATIONS = 3

@@ -14,6 +14,7 @@ _INT_KEYS = (
     "backwards",  # backward passes that entered cagrad
     "captures",  # backward passes that were traced into a new graph
     "cache_hits",  # backward passes that reused a compiled graph
+    "guard_hits",  # of those, the ones a generated hit guard accepted (cagrad.hit_path)
     "fallbacks",  # backward passes run by eager autograd instead
     "recompiles_shape",  # captures caused by sizes that differ from a cached graph
     "recompiles_new_node",  # captures caused by a node or attribute never seen there

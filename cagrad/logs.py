@@ -6,11 +6,14 @@ Loggers (standard :mod:`logging`):
   (DEBUG, once per capture, as readable FX code);
 * ``cagrad.verbose``: why each capture happened (DEBUG): the new node type
   and its index, the first differing byte of a key, or the sizes that
-  changed and became dynamic (see :mod:`cagrad.explain`).
+  changed and became dynamic (see :mod:`cagrad.explain`);
+* ``cagrad.guards``: the generated hit guard of each captured graph, or why
+  a graph gets none (DEBUG; see :mod:`cagrad.hit_path`).
 
 Switch them on with the environment variable ``CAGRAD_LOGS`` (read at
 import), a comma-separated list like ``TORCH_LOGS``: ``graph`` (captured
-graphs), ``verbose`` (miss reasons), ``fallbacks``; ``all`` for all three.
+graphs), ``verbose`` (miss reasons), ``fallbacks``, ``guards`` (generated hit
+guards); ``all`` for all four.
 Or call :func:`set_logs`. Either attaches one stderr handler to ``cagrad``
 if it has none.
 """
@@ -22,18 +25,20 @@ import os
 
 log = logging.getLogger("cagrad")
 verbose_log = logging.getLogger("cagrad.verbose")
+guards_log = logging.getLogger("cagrad.guards")
 
 _FORMAT = "[cagrad %(levelname)s] %(message)s"
-_KNOWN = ("graph", "verbose", "fallbacks")
+_KNOWN = ("graph", "verbose", "fallbacks", "guards")
 
 
-def set_logs(graph: bool = False, verbose: bool = False, fallbacks: bool = False) -> None:
+def set_logs(graph: bool = False, verbose: bool = False, fallbacks: bool = False, guards: bool = False) -> None:
     """Sets what cagrad logs to stderr (replaces the previous setting).
 
     Args:
         graph: each captured graph (``cagrad`` at DEBUG).
         verbose: why each capture happened (``cagrad.verbose`` at DEBUG).
         fallbacks: each backward eager ran instead (``cagrad`` at INFO).
+        guards: each generated hit guard (``cagrad.guards`` at DEBUG).
     """
     if graph:
         log.setLevel(logging.DEBUG)
@@ -42,7 +47,8 @@ def set_logs(graph: bool = False, verbose: bool = False, fallbacks: bool = False
     else:
         log.setLevel(logging.WARNING)
     verbose_log.setLevel(logging.DEBUG if verbose else logging.NOTSET)
-    if (graph or verbose or fallbacks) and not log.handlers:
+    guards_log.setLevel(logging.DEBUG if guards else logging.INFO)  # long: only when asked
+    if (graph or verbose or fallbacks or guards) and not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(_FORMAT))
         log.addHandler(handler)
@@ -63,7 +69,12 @@ def from_env(value: str | None = None) -> None:
     unknown = names - set(_KNOWN)
     if unknown:
         raise ValueError(f"CAGRAD_LOGS: unknown {sorted(unknown)}; known: {', '.join(_KNOWN)}, all")
-    set_logs(graph="graph" in names, verbose="verbose" in names, fallbacks="fallbacks" in names)
+    set_logs(
+        graph="graph" in names,
+        verbose="verbose" in names,
+        fallbacks="fallbacks" in names,
+        guards="guards" in names,
+    )
 
 
 def miss(reason: object) -> None:

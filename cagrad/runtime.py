@@ -35,21 +35,26 @@ UNUSED_MESSAGE = (
 )
 
 
-def graph_inputs(entry: Any, collected: Any) -> list[torch.Tensor]:
-    tensors = collected.collector.args.tensors
+def graph_inputs(entry: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The graph's ``inputs`` list from the lifted tensors (unused ones pruned)."""
     return [tensors[i] for i in entry.traced.input_indices]
 
 
-def call_whole(entry: Any, collected: Any, sizes: list[int]) -> list[torch.Tensor]:
-    """Calls a whole-graph compiled backward on this backward's tensors and sizes."""
+def call_whole(entry: Any, tensors: Sequence[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    """Calls a whole-graph compiled backward on the lifted ``tensors`` and ``sizes``."""
     with run_context.grad_mode():
-        outs = entry.fn(graph_inputs(entry, collected), sizes, [], [], [])
+        outs = entry.fn(graph_inputs(entry, tensors), sizes, [], [], [])
     entry.calls += 1
     return list(outs)
 
 
-def finish_whole(entry: Any, collected: Any, outs: Sequence[torch.Tensor]) -> list:
-    """Accumulates the leaf gradients; returns the ``autograd.grad`` results."""
+def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor]) -> list:
+    """Accumulates the leaf gradients; returns the ``autograd.grad`` results.
+
+    Args:
+        order: the backward's nodes in run order (the leaves' AccumulateGrad
+            nodes are read from it by position).
+    """
     traced = entry.traced
     stealable = [not a for a in traced.aliases_input]
     seen: set[int] = set()
@@ -61,9 +66,8 @@ def finish_whole(entry: Any, collected: Any, outs: Sequence[torch.Tensor]) -> li
             if ptr in seen:
                 stealable[i] = False
             seen.add(ptr)
-    order = collected.task.order
     for pos, out_idx in traced.leaf_outputs:
-        accumulate_grad(order[pos].node.variable, outs[out_idx], stealable[out_idx])
+        accumulate_grad(order[pos].variable, outs[out_idx], stealable[out_idx])
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 
 
@@ -95,7 +99,7 @@ def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list
     with run_context.grad_mode():
         outs = segments.run(
             entry.segmented,
-            graph_inputs(entry, collected),
+            graph_inputs(entry, collected.collector.args.tensors),
             sizes,
             sym_values,
             objects,
@@ -125,9 +129,7 @@ def _defined(value: Any, free: bool) -> Any:
 
 def release(collected: Any) -> None:
     """Frees the saved tensors of every node that ran, as eager does."""
-    for slot in collected.collector.args.slots:
-        if slot is not None:
-            saved_variables.release(slot)
+    release_slots(collected.collector.args.slots)
     plans = collected.collector.plans
     position = {id(call): pos for pos, call in enumerate(collected.task.order)}
     for call in collected.collector.releases:
@@ -137,6 +139,14 @@ def release(collected: Any) -> None:
         else:
             schema = call.schema
             saved_variables.release_node(call.node, schema.tensors, schema.tensor_lists)
+
+
+def release_slots(slots: Sequence[Any]) -> None:
+    """Frees saved-tensor slots ``(node, attribute, index)`` (None: skipped)."""
+    release_one = saved_variables.release
+    for slot in slots:
+        if slot is not None:
+            release_one(slot)
 
 
 def check_unused(result: Sequence[Any], allow_unreachable: bool) -> None:

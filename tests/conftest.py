@@ -11,6 +11,10 @@
 
 Tests that set ``max_examples`` themselves wrap the number in
 :func:`examples` so that it scales with the profile.
+
+Every test runs with ``CAGRAD_VERIFY_GUARDS=1``: each backward a generated
+hit guard accepts is also collected in full and compared with it
+(:mod:`cagrad.hit_path`); worker processes the tests spawn inherit it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+
+os.environ.setdefault("CAGRAD_VERIFY_GUARDS", "1")
 
 PROFILE_ENV = "CAGRAD_HYPOTHESIS_PROFILE"
 PROFILES = ("ci", "dev", "nightly")

@@ -42,18 +42,23 @@ def _discovery_index(task):
 def _eager_order(roots, inputs=None):
     order = []
     seen = set()
+    handles = []
     stack = [r.grad_fn for r in roots]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        fn.register_prehook(lambda grads, fn=fn: order.append(fn))
+        handles.append(fn.register_prehook(lambda grads, fn=fn: order.append(fn)))
         stack.extend(f for f, _ in fn.next_functions)
     if inputs is None:
         torch.autograd.backward(roots)
     else:
         torch.autograd.grad(roots, inputs, allow_unused=True)
+    # each hook holds its node: a cycle through C++ that gc cannot break, which
+    # would leave a live node hook dict (and cagrad's census probing) behind
+    for handle in handles:
+        handle.remove()
     return order
 
 

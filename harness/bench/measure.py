@@ -1,0 +1,110 @@
+"""Times one (workload, subject) cell: steady-state backward, overhead, memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import cagrad
+from cagrad import runtime
+from cagrad.graph_task import GraphTask
+
+from .subjects import Subject, backward_in
+from .workloads import Workload
+
+WARMUP = 3  # the first backward captures and compiles; the rest are hits
+
+
+@dataclasses.dataclass
+class Cell:
+    """One measurement.
+
+    Attributes:
+        ms: median steady-state backward time (milliseconds).
+        nodes: autograd nodes in the backward.
+        overhead_us_per_node: cagrad only: median of (backward time minus
+            the compiled graph's call) per node, in microseconds: the guard
+            or full collection, the lookup, accumulation and release.
+        peak_mib: CUDA only: peak memory allocated during one backward above
+            what was allocated before it (MiB).
+        counters: cagrad's counters after the run (captures, hits, ...).
+        error: what went wrong, if the cell could not be measured.
+    """
+
+    ms: float | None = None
+    nodes: int | None = None
+    overhead_us_per_node: float | None = None
+    peak_mib: float | None = None
+    counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _node_count(loss: torch.Tensor) -> int:
+    return len(GraphTask([loss], [], True).order)
+
+
+def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Cell:
+    """Runs ``WARMUP`` then ``iters`` timed backwards (forward untimed)."""
+    torch._dynamo.reset()
+    cagrad.reset()
+    model = subject.wrap(workload.model)
+    cell = Cell()
+    calls: list[float] = []
+    real_call = runtime.call_whole
+
+    def timed_call(*args: Any) -> Any:
+        _sync(device)
+        start = time.perf_counter()
+        out = real_call(*args)
+        _sync(device)
+        calls.append(time.perf_counter() - start)
+        return out
+
+    try:
+        cell.nodes = _node_count(workload.step(model))
+        for _ in range(WARMUP):
+            backward_in(subject, workload.step(model))
+        runtime.call_whole = timed_call
+        gc.collect()
+        totals = []
+        for _ in range(iters):
+            loss = workload.step(model)
+            calls_before = len(calls)
+            _sync(device)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            backward_in(subject, loss)
+            _sync(device)
+            totals.append(time.perf_counter() - start)
+            if device == "cuda":
+                peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+                cell.peak_mib = max(cell.peak_mib or 0.0, peak)
+            if subject.is_cagrad and len(calls) == calls_before + 1:
+                calls[-1] = totals[-1] - calls[-1]  # the overhead of this backward
+            elif subject.is_cagrad:
+                del calls[calls_before:]
+        cell.ms = statistics.median(totals) * 1e3
+        if subject.is_cagrad and calls:
+            cell.overhead_us_per_node = statistics.median(calls) * 1e6 / max(cell.nodes, 1)
+        if subject.is_cagrad:
+            snap = cagrad.counters.snapshot()
+            cell.counters = {k: snap[k] for k in ("captures", "cache_hits", "guard_hits", "fallbacks")}
+            if snap["fallbacks"]:
+                cell.counters["fallback_reasons"] = snap["fallback_reasons"]
+    except Exception as e:  # noqa: BLE001 - a failing cell is reported, the rest run
+        cell.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    finally:
+        runtime.call_whole = real_call
+    return cell

@@ -1,0 +1,244 @@
+"""The generated hit guards (cagrad.hit_path): a guard makes hits cheaper,
+never creates one. Every backward here is compared with eager autograd, and
+the suite runs with CAGRAD_VERIFY_GUARDS=1, so each guarded hit is also
+checked against the full collection."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cagrad
+from cagrad import engine
+
+from ..models import loss_fn, mlp
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    gc.collect()  # graphs with node hooks that earlier tests left in cycles
+    cagrad.reset()
+    yield
+    cagrad.reset()
+
+
+def _grads(fn, params, compiled, **enable):
+    for p in params:
+        p.grad = None
+    if compiled:
+        with cagrad.enable("eager", **enable):
+            fn().backward()
+    else:
+        fn().backward()
+    return [p.grad.clone() for p in params]
+
+
+def _assert_same(fn, params, **enable):
+    want = _grads(fn, params, False)
+    got = _grads(fn, params, True, **enable)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+        assert torch.equal(torch.signbit(w), torch.signbit(g))
+
+
+def test_a_training_loop_hits_through_the_guard():
+    torch.manual_seed(0)
+    model, batch = mlp()
+    params = list(model.parameters())
+    for step in range(4):
+        x, y = batch(step)
+        _assert_same(lambda: loss_fn(model(x), y), params)
+    c = cagrad.counters
+    assert (c["captures"], c["cache_hits"], c["guard_hits"], c["fallbacks"]) == (1, 3, 3, 0)
+
+
+def _counts():
+    c = cagrad.counters
+    return c["captures"], c["cache_hits"], c["guard_hits"]
+
+
+def test_a_new_attribute_value_is_not_a_guarded_hit():
+    x = torch.randn(4, 5, requires_grad=True)
+    _assert_same(lambda: x.cumsum(0).sin().sum(), [x])
+    _assert_same(lambda: x.cumsum(1).sin().sum(), [x])  # same structure, other dim
+    assert _counts() == (2, 0, 0)
+    _assert_same(lambda: x.cumsum(0).sin().sum(), [x])
+    assert _counts() == (2, 1, 1)
+
+
+@pytest.mark.parametrize("first, second", [(0.0, -0.0), (1.5, 2.5), (2.0, 2)])
+def test_scalar_attributes_are_compared_as_the_key_writes_them(first, second):
+    # LeakyReluBackward0 keeps negative_slope as an attribute (a key value):
+    # -0.0 and 0.0 are equal floats but other gradients (their sign), and 2
+    # and 2.0 are other key bytes: each is a capture of its own
+    x = torch.randn(6, requires_grad=True)
+    _assert_same(lambda: nn.functional.leaky_relu(x, first).sum(), [x])
+    _assert_same(lambda: nn.functional.leaky_relu(x, second).sum(), [x])
+    assert _counts() == (2, 0, 0)
+
+
+def test_another_run_order_is_not_a_guarded_hit():
+    x = torch.randn(5, requires_grad=True)
+
+    def sin_first():
+        a = x.sin()
+        b = x.cos()
+        return (a * b).sum()
+
+    def cos_first():
+        b = x.cos()
+        a = x.sin()
+        return (a * b).sum()
+
+    _assert_same(sin_first, [x])
+    _assert_same(cos_first, [x])  # same edges, other sequence numbers: other order
+    _assert_same(sin_first, [x])
+    assert _counts() == (2, 1, 1)
+
+
+def test_two_nodes_that_became_one_are_not_a_guarded_hit():
+    x = torch.randn(5, requires_grad=True)
+
+    def two():
+        a = x.sin()
+        b = x.sin()
+        return (a * b).sum()
+
+    def one():
+        a = x.sin()
+        return (a * a).sum()
+
+    _assert_same(two, [x])
+    _assert_same(one, [x])
+    assert _counts() == (2, 0, 0)
+
+
+def test_a_hook_added_later_is_run_not_skipped():
+    x = torch.randn(3, requires_grad=True)
+    _assert_same(lambda: x.exp().sum(), [x])
+    seen = []
+
+    def fwd():
+        y = x.exp()
+        y.register_hook(lambda g: seen.append(1) or g * 3)
+        return y.sum()
+
+    _assert_same(fwd, [x])  # eager's run appends once, cagrad's once
+    assert seen == [1, 1]
+    assert cagrad.counters["guard_hits"] == 0
+
+
+def test_a_leaf_hook_added_later_is_run_not_skipped():
+    w = torch.randn(3, requires_grad=True)
+    _assert_same(lambda: (w * 2).sum(), [w])
+    handle = w.register_hook(lambda g: g + 1)
+    try:
+        _assert_same(lambda: (w * 2).sum(), [w])
+    finally:
+        handle.remove()
+    assert cagrad.counters["guard_hits"] == 0
+    _assert_same(lambda: (w * 2).sum(), [w])
+    assert cagrad.counters["guard_hits"] == 1
+
+
+def test_new_sizes_hit_a_dynamic_graph_through_the_guard():
+    lin = nn.Linear(4, 3)
+    params = list(lin.parameters())
+    for n in (2, 5, 7):
+        x = torch.randn(n, 4)
+        _assert_same(lambda: lin(x).tanh().sum(), params)
+    assert _counts() == (1, 2, 2)
+
+
+def test_new_sizes_of_a_static_graph_recapture_after_the_guard():
+    lin = nn.Linear(4, 3)
+    params = list(lin.parameters())
+    for n in (2, 2, 5, 5):
+        x = torch.randn(n, 4)
+        _assert_same(lambda: lin(x).tanh().sum(), params, dynamic=False)
+    # 2: capture, guarded hit; 5: the guard accepts the structure, no variant
+    # the sizes: a capture; then a guarded hit of the new variant
+    assert _counts() == (2, 2, 2)
+
+
+def test_retain_graph_and_the_second_backward_error_are_eagers():
+    x = torch.randn(4, requires_grad=True)
+    with cagrad.enable("eager"):
+        x.sin().sum().backward()  # capture
+        loss = x.sin().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        assert cagrad.counters["guard_hits"] == 2
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    assert torch.allclose(x.grad, 3 * x.detach().cos())
+
+
+def test_a_saved_tensor_modified_in_place_raises_eagers_error():
+    x = torch.randn(4, requires_grad=True)
+    with cagrad.enable("eager"):
+        (x * 1.0).sin().sum().backward()
+        y = x * 1.0
+        z = y.sin()
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.sum().backward()
+
+
+def test_the_guard_source_is_logged(caplog):
+    x = torch.randn(3, requires_grad=True)
+    cagrad.set_logs(guards=True)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="cagrad.guards"), cagrad.enable("eager"):
+            x.sin().sum().backward()
+    finally:
+        cagrad.set_logs()
+    text = caplog.text
+    assert "def guard(roots, grads, counts):" in text
+    assert "x = n1._saved_self" in text  # SinBackward0's saved input, lifted
+
+
+def test_verification_catches_a_guard_that_lifts_the_wrong_tensors(monkeypatch):
+    x = torch.randn(3, requires_grad=True)
+    with cagrad.enable("eager"):
+        x.sin().sum().backward()
+    [guard] = engine.cache_for("eager", True).guards
+    real = guard.fn
+
+    def wrong(roots, grads, counts):
+        got = real(roots, grads, counts)
+        tensors, values, order = got
+        return [t.clone() for t in tensors], values, order
+
+    monkeypatch.setattr(guard, "fn", wrong)
+    monkeypatch.setenv("CAGRAD_VERIFY_GUARDS", "1")
+    with cagrad.enable("eager"), pytest.raises(RuntimeError, match="other lifted tensors"):
+        x.sin().sum().backward()
+
+
+def test_a_graph_after_checkpointing_elsewhere_still_takes_the_guard():
+    # checkpointing pushes saved-tensor hooks: graphs built outside it are
+    # still guarded, graphs built inside it are not (their slots are claimed)
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(2):
+        with cagrad.enable("eager"):
+            checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+    assert cagrad.counters["guard_hits"] == 0
+    _assert_same(lambda: x.cos().exp().sum(), [x])
+    _assert_same(lambda: x.cos().exp().sum(), [x])
+    assert cagrad.counters["guard_hits"] == 1
+
+
+def test_graphs_that_cannot_be_guarded_still_hit_in_full():
+    x = torch.randn(3, requires_grad=True)
+    for _ in range(3):
+        with cagrad.enable("eager"):
+            (g,) = torch.autograd.grad(x.sin().sum(), [x])
+        assert torch.equal(g, x.detach().cos())
+    assert _counts() == (1, 2, 0)
