@@ -80,18 +80,21 @@ def collect_backward(
     inputs: Sequence[torch.Tensor],
     accumulate_grad: bool,
     create_graph: bool = False,
+    census: Census | None = None,
 ) -> CollectedBackward:
     """Walks the graph in eager's order and collects keys, tensors, objects.
 
     With ``create_graph`` the key says so (its graph is compiled for grad
     mode on) and root gradients are lifted as they are, differentiable.
+    ``census`` is one taken for this backward already (only without
+    ``inputs``: with them the GraphTask may add a ``retain_grad`` hook).
 
     Raises:
         Unsupported: something in the graph cannot be compiled.
         EagerError: eager would raise (see :class:`EagerError`).
     """
     task = GraphTask(tensors, inputs, accumulate_grad)
-    collector = Collector(task, Census())
+    collector = Collector(task, census if census is not None else Census())
     w = KeyWriter()
     if create_graph:
         w.tag(b"c")  # absent otherwise: keys of plain backwards are unchanged
@@ -219,12 +222,14 @@ def run(
     outs = None
     try:
         check_supported_mode(call.create_graph)
+        census = None
         if cache.guards and hit_path.eligible_call(call):
-            fast = _try_guards(call, cache)
+            census = Census()  # the full path below reuses it on a guard miss
+            fast = _try_guards(call, cache, census)
             if fast is not None:
                 return _run_guarded(call, cache, *fast)
         collected = collect_backward(
-            call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph
+            call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
         )
         ctx = run_context.current()
         if ctx is not None:
@@ -287,14 +292,13 @@ def run(
     return tuple(result)
 
 
-def _try_guards(call: BackwardCall, cache: CacheNode) -> tuple | None:
+def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple | None:
     """The first guard that accepts this backward, with its hit and variant.
 
     None sends the backward down the full path: no guard accepts it, some
     hook is live somewhere, its key sequence has a fallback verdict now, or
     no variant accepts its sizes (a capture follows).
     """
-    census = Census()
     if not hit_path.census_is_clear(census):
         return None
     guards = cache.guards

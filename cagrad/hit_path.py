@@ -29,7 +29,7 @@ backward takes the full path (collection, trie lookup, maybe a capture), so
 a guard can only make a hit faster, never create one: a graph it accepts has
 the key sequence it was built from. With ``CAGRAD_VERIFY_GUARDS=1`` (the
 test suite sets it) every accepted backward is also collected in full and
-the two are compared (:func:`verify`).
+the two are compared (``cagrad.compiled_backward._verify_hit``).
 
 Only whole-graph backwards are guarded: ``backward()`` without ``inputs=``,
 without ``create_graph``, with every node traced or a leaf's
@@ -49,12 +49,13 @@ from typing import Any
 
 import torch
 
+from . import saved_variables
 from .cache_key import KeyWriter
+from .compiled_node_args import _int64
 from .walk import Kind
 
 log = logging.getLogger("cagrad.guards")
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ELIGIBLE = (Kind.ROOT, Kind.TRACED, Kind.ACCUMULATE)
 MAX_GUARDS = 8  # guards tried per backward, most recently hit first
 
@@ -126,8 +127,6 @@ def has_foreign_saved_hooks(hit: Hit) -> bool:
     """Whether a node of the hit may carry pack hooks that are not cagrad's
     (created while default saved-tensor hooks were pushed); the full path
     then claims its slots (see :mod:`cagrad.saved_variables`)."""
-    from . import saved_variables
-
     return any(
         n is not None and type(n).__name__ != "AccumulateGrad" and saved_variables.may_have_foreign_hooks(n)
         for n in hit.order
@@ -195,11 +194,11 @@ class _Generator:
         self.collector = collected.collector
         self.lines: list[str] = []
         self.consts: dict[str, Any] = {
-            "_PLAIN": _PLAIN,
+            "_Tensor": torch.Tensor,
             "_pack_d": _pack_d,
             "_key_bytes": _key_bytes,
             "_types": _types,
-            "_strided": torch.strided,
+            "_int64": _int64,
         }
         self.var: dict[int, str] = {}  # discovery id -> local name
         self.md_loaded: set[int] = set()
@@ -251,7 +250,7 @@ class _Generator:
         order: list[Any] = []
         for i, (fn, nr) in enumerate(task.root_edges):
             self.emit(f"t = roots[{i}]")
-            self.fail_if(f"not isinstance(t, _PLAIN[0]) or t.output_nr != {nr}")
+            self.fail_if(f"not isinstance(t, _Tensor) or t.output_nr != {nr}")
             known = self.task.call_of[fn].id in self.var
             self._bind(fn, "t.grad_fn")
             if not known:
@@ -381,10 +380,10 @@ class _Generator:
             self.fail_if("a is not None")
         elif isinstance(v, (tuple, list)):
             self.fail_if(f"not isinstance(a, (tuple, list)) or len(a) != {len(v)}")
-            self.emit("V += [x - 18446744073709551616 if x >= 9223372036854775808 else x for x in a]")
+            self.emit("V += map(_int64, a)")
         else:
             self.fail_if("a is None or isinstance(a, (tuple, list))")
-            self.emit("V.append(a - 18446744073709551616 if a >= 9223372036854775808 else a)")
+            self.emit("V.append(_int64(a))")
 
     def _saved(self, pos: int, expr: str, attr: str, index: int) -> None:
         self.emit(f"x = {expr}")
