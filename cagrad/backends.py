@@ -8,6 +8,8 @@ from typing import Any, Union
 import torch
 import torch.fx
 
+from .counters import counters
+
 CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
 
 # (backend, aten op) pairs whose compiled result is known to be wrong; a graph
@@ -48,12 +50,17 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
     """Turns ``compiler_fn`` into ``compile(graph_module, symbolic) -> callable``.
 
     A string names a ``torch.compile`` backend (``"eager"``, ``"aot_eager"``,
-    ``"inductor"``, or any registered one): the graph is passed to
-    ``torch.compile(gm, backend=name, dynamic=symbolic)``: a graph traced
-    with dynamic sizes is compiled for any value of them (no backend
-    recompile when they change), a static one for its sizes (a graph with a
-    0-dim CPU tensor beside CUDA tensors is called through
-    :class:`_WithoutAliasCheck`). A callable gets the graph module alone.
+    ``"inductor"``, or any registered one): the backend compiles the graph
+    directly, with the trace's fake values as example inputs and no Dynamo
+    (:mod:`cagrad.direct_compile`): a graph traced with dynamic sizes is
+    compiled for any value of them that its check accepts, a static one for
+    its sizes (a graph with a 0-dim CPU tensor beside CUDA tensors is called
+    through :class:`_WithoutAliasCheck`). Compile under the grad mode the
+    graph runs in. A segment of a ``create_graph=True`` backward that reads
+    an opaque call's result goes through ``torch.compile(gm, backend=name,
+    dynamic=symbolic)`` instead, whose guards cover that result's
+    ``requires_grad``. ``symbolic`` is kept for callables that want it. A
+    callable gets the graph module alone.
 
     Raises:
         TypeError: if ``compiler_fn`` is neither.
@@ -68,10 +75,18 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
                 f"cagrad: unknown torch.compile backend {compiler_fn!r}; "
                 f"registered: {sorted(known)}"
             )
-        name = compiler_fn
+        from torch._dynamo.backends.registry import lookup_backend
+
+        from . import direct_compile
+
+        backend = lookup_backend(compiler_fn)
 
         def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
-            compiled = torch.compile(gm, backend=name, dynamic=symbolic)
+            compiled = direct_compile.compile_graph(backend, gm)
+            counters.bump("backend_compiles")
+            if compiled is None:
+                counters.bump("dynamo_compiles")
+                compiled = torch.compile(gm, backend=compiler_fn, dynamic=symbolic)
             return _WithoutAliasCheck(compiled) if _scalar_beside_cuda(gm) else compiled
 
         return compile_with_backend

@@ -30,6 +30,9 @@ class CompiledEntry:
         last_deopt: ``((pos, phase), which results were defined)`` of the
             last failed check (``compiler.NON_STRIDED`` for a sparse
             gradient the graph would have used as a strided one).
+        state: the global state a named backend compiled it in (Dynamo's
+            ``GlobalStateGuard``), checked before each call; None for a
+            callable compiler.
     """
 
     fn: Callable[..., Any] | None
@@ -38,6 +41,7 @@ class CompiledEntry:
     calls: int = 0
     deopts: int = 0
     last_deopt: Any = None
+    state: Any = None
 
     @property
     def check(self) -> Any:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import events, explain, hit_path, host, logs, run_context, runtime, segments
+from . import direct_compile, events, explain, hit_path, host, logs, run_context, runtime, segments
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
@@ -32,6 +33,7 @@ from .counters import counters
 from .errors import EagerError, NodeTraceFailed, Unsupported
 from .graph_task import GraphTask
 from .hooks_census import Census
+from .sizes import tighten
 
 log = logging.getLogger("cagrad")
 
@@ -249,6 +251,8 @@ def run(
         else:
             entry, sym_values = found
             counters.bump("cache_hits")
+        if entry.state is not None:
+            direct_compile.check_global_state(entry.state)
         fresh = node.guard is None and entry.segmented is None
         graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
         if entry.segmented is None:
@@ -325,6 +329,8 @@ def _run_guarded(
     entry, sym_values = found
     if hit_path.verify_enabled():
         _verify_hit(call, cache, guard, hit)
+    if entry.state is not None:
+        direct_compile.check_global_state(entry.state)
     counters.bump("cache_hits")
     counters.bump("guard_hits")
     graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
@@ -447,6 +453,7 @@ def _capture(
     sizes = collected.collector.sizes
     shape_change = bool(node.variants)
     dynamic_slots = _dynamic_slots(node, sizes, dynamic)
+    started = time.perf_counter()
     try:
         traced = trace_with_retries(collected, node, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)
@@ -465,16 +472,29 @@ def _capture(
             "sizes marked dynamic: %s",
             ", ".join(sizes.origin(i) for i in sorted(dynamic_slots)[:16]),
         )
+    traced_at = time.perf_counter()
+    env = traced.shape_env
+    guards_before = len(env.guards) if env is not None else 0
     try:
-        if traced.has_opaque_calls:
-            sg = segments.split(traced.graph_module, traced.to_value)
-            segments.compile_segments(sg, lambda gm: compile_graph(gm, symbolic))
-            entry = CompiledEntry(None, traced, segmented=sg)
-        else:
-            entry = CompiledEntry(compile_graph(traced.graph_module, symbolic), traced)
+        with run_context.grad_mode():
+            state = direct_compile.global_state() if isinstance(compiler_fn, str) else None
+            if traced.has_opaque_calls:
+                sg = segments.split(traced.graph_module, traced.to_value)
+                segments.compile_segments(sg, lambda gm: compile_graph(gm, symbolic))
+                entry = CompiledEntry(None, traced, segmented=sg)
+            else:
+                entry = CompiledEntry(compile_graph(traced.graph_module, symbolic), traced)
+        entry.state = state
+        compiled = [entry.fn] if entry.segmented is None else [seg.fn for seg in entry.segmented.segments]
+        direct_compile.link_all(compiled, traced)
+        if env is not None:
+            added = tighten(traced.check, env, guards_before)
+            if added:
+                logs.verbose_log.debug("the backend added %d size guards: %s", added, traced.check.guard_exprs[-added:])
     except Exception as e:
         node.verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
         raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
+    compiled_at = time.perf_counter()
     node.variants.append(entry)
     logs.graph_captured(traced.graph_module)
     events.emit_capture(
@@ -483,6 +503,8 @@ def _capture(
             collected.node_keys,
             len(entry.segmented.segments) if entry.segmented is not None else 1,
             reason,
+            traced_at - started,
+            compiled_at - traced_at,
         )
     )
     return entry

@@ -114,6 +114,8 @@ class Traced:
         force_opaque: positions of nodes that failed to trace and run as
             they are; their nodes follow the collected runtime objects, in
             position order (see :func:`runtime_objects`).
+        shape_env: the trace's ShapeEnv (None when every size is static); a
+            backend compiling the graph directly adds its guards to it.
     """
 
     graph_module: torch.fx.GraphModule
@@ -127,6 +129,7 @@ class Traced:
     to_value: Any
     plans: list[Any]
     force_opaque: frozenset[int]
+    shape_env: Any = None
 
     @property
     def has_opaque_calls(self) -> bool:
@@ -356,15 +359,35 @@ class AutogradCompilerInstance:
         with disable_proxy_modes_tracing():
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
-    def _lifted_fake(self, i: int, t: torch.Tensor) -> torch.Tensor:
+    def _lifted_fake(self, i: int, t: torch.Tensor, handed_out: set[int]) -> torch.Tensor:
+        """A fake of its own for lifted tensor ``i``.
+
+        Each position gets a distinct fake even where the same tensor is
+        lifted twice (one tensor saved by two nodes): the cache key does not
+        record which lifted tensors are the same, so the graph must not read
+        one of them in place of the other (it would, with a shared fake: the
+        proxy of the last position wins, and a later hit where the two are
+        different tensors used the wrong one).
+        """
         if not self.symbolic:
-            return self.fake_mode.from_tensor(t)
-        start = self.args.geometry[i]
-        ndim = t.dim()
-        v = self.slot_values
-        shape = v[start : start + ndim]
-        stride = v[start + ndim : start + 2 * ndim]
-        offset = v[start + 2 * ndim]
+            fake = self.fake_mode.from_tensor(t)
+            if id(fake) not in handed_out:
+                handed_out.add(id(fake))
+                return fake
+            if t.layout is not torch.strided or t.is_conj() or t.is_neg():
+                raise Unsupported(
+                    "aliased_inputs",
+                    f"lifted tensor {i} ({t.layout}, conj {t.is_conj()}, neg {t.is_neg()}) "
+                    "is lifted twice and cannot get a fake of its own",
+                )
+            shape, stride, offset = list(t.shape), list(t.stride()), t.storage_offset()
+        else:
+            start = self.args.geometry[i]
+            ndim = t.dim()
+            v = self.slot_values
+            shape = v[start : start + ndim]
+            stride = v[start + ndim : start + 2 * ndim]
+            offset = v[start + 2 * ndim]
         with self.fake_mode:
             if isinstance(offset, int) and offset == 0:
                 fake = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
@@ -565,7 +588,8 @@ class AutogradCompilerInstance:
             )
         real = self.args.tensors
         with self.fake_mode:
-            fakes = [self._lifted_fake(i, t) for i, t in enumerate(real)]
+            handed_out: set[int] = set()
+            fakes = [self._lifted_fake(i, t, handed_out) for i, t in enumerate(real)]
         track_tensor_tree(
             fakes, [inputs_proxy[i] for i in range(len(fakes))], constant=None, tracer=tracer
         )
@@ -584,6 +608,9 @@ class AutogradCompilerInstance:
             )
             walk.start(fakes[: self.num_roots])
             walk.run()
+        for read in inputs_proxy.node.users:
+            # what the trace's fake values (meta["val"], detached) do not keep
+            read.meta["cagrad_requires_grad"] = fakes[read.args[1]].requires_grad
         outputs = [g for _, g in walk.leaf_grads if g is not None]
         leaf_outputs = []
         for pos, g in walk.leaf_grads:
@@ -613,6 +640,7 @@ class AutogradCompilerInstance:
             to_value,
             self.plans,
             self.force_opaque,
+            self.shape_env,
         )
 
     def _size_check(self, used_sizes: list[int]) -> tuple[SizeCheck, list[Any], Any]:

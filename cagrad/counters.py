@@ -21,6 +21,9 @@ _INT_KEYS = (
     "deopts",  # compiled backwards finished by the interpreter (a hook or opaque
     # node returned None where the graph assumed a gradient)
     "segment_compile_failures",  # graph segments run uncompiled after a backend error
+    "backend_compiles",  # graphs (whole or segments) a named backend compiled directly
+    "dynamo_compiles",  # of those, ones handed to torch.compile instead (Dynamo
+    # compiles them on their first call and guards them)
     "nodes_forced_opaque",  # nodes that failed to trace and run as they are in
     # their compiled backward (the rest of the graph stays compiled)
 )
@@ -30,8 +33,9 @@ class Counters(Mapping[str, Any]):
     """A live, read-only view of cagrad's counters.
 
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
-    ``fallbacks``, ``recompiles_shape``, ``recompiles_new_node``, ``deopts``,
-    ``segment_compile_failures``, ``nodes_forced_opaque``;
+    ``guard_hits``, ``fallbacks``, ``recompiles_shape``,
+    ``recompiles_new_node``, ``deopts``, ``segment_compile_failures``,
+    ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``;
     ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
     :class:`cagrad.errors.Unsupported`) to the number of backward passes that
     fell back for it; and ``opaque_reasons``, the same for nodes forced to

@@ -29,12 +29,19 @@ class CaptureEvent:
         cache_keys: the node keys it was captured for.
         num_segments: compiled segments (1 for a graph without opaque calls).
         reason: why the cache missed (see :mod:`cagrad.explain`), or None.
+        trace_s: seconds spent tracing the backward into the graph (the
+            collection of keys before it not included).
+        compile_s: seconds spent in ``compiler_fn`` (for a named backend the
+            whole backend compile; through ``torch.compile`` only its
+            wrapping, since Dynamo compiles on the first call).
     """
 
     graph_module: torch.fx.GraphModule
     cache_keys: list[Any]
     num_segments: int
     reason: Any = None
+    trace_s: float = 0.0
+    compile_s: float = 0.0
 
 
 on_capture: list[Callable[[CaptureEvent], None]] = []

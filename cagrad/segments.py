@@ -251,11 +251,13 @@ def _segment(
     in_names: list[str] = []
     in_nodes: dict[str, torch.fx.Node] = {}
     sizes_used: list[str] = []
+    size_nodes: dict[str, torch.fx.Node] = {}
     for node in nodes:
         for a in node.all_input_nodes:
             if a.name in size_reads:
                 if a.name not in sizes_used:
                     sizes_used.append(a.name)
+                    size_nodes[a.name] = a
             elif a.name not in inside and a.name not in in_names:
                 in_names.append(a.name)
                 in_nodes[a.name] = a
@@ -266,10 +268,13 @@ def _segment(
     for name in sizes_used:
         # every segment gets the whole sizes list and reads what it uses
         env[name] = graph.call_function(operator.getitem, (ph["sizes"], size_reads[name]))
+        if "val" in size_nodes[name].meta:
+            env[name].meta["val"] = size_nodes[name].meta["val"]
     for i, name in enumerate(in_names):
         env[name] = graph.call_function(operator.getitem, (ph["inputs"], i))
-        if "val" in in_nodes[name].meta:  # its fake value, for what the backend wrapper reads
-            env[name].meta["val"] = in_nodes[name].meta["val"]
+        for key in ("val", "cagrad_requires_grad"):  # its fake value, for the backend
+            if key in in_nodes[name].meta:
+                env[name].meta[key] = in_nodes[name].meta[key]
     for node in nodes:
         env[node.name] = graph.node_copy(node, lambda a: env[a.name])
     graph.output([env[n] for n in out_names])

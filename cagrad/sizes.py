@@ -89,6 +89,8 @@ class SizeCheck:
         guards: ``fn(symbol values) -> bool`` for every recorded guard.
         guard_exprs: the guards as sympy expressions (for logs).
         symbol_names: the bound symbols' names (for logs).
+        bound_symbols: the bound symbols (sympy), in ``sizes`` order.
+        hints: their values at capture.
     """
 
     expected: list[int]
@@ -99,6 +101,8 @@ class SizeCheck:
     guards: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
     guard_exprs: list[Any] = dataclasses.field(default_factory=list)
     symbol_names: list[str] = dataclasses.field(default_factory=list)
+    bound_symbols: list[Any] = dataclasses.field(default_factory=list)
+    hints: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.static:
@@ -207,9 +211,56 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
         guards,
         guard_exprs,
         [str(sym) for sym in bound],
+        bound,
+        hints,
     )
     check.function = lambda expr: _compile(bound, replace(expr), hints)  # type: ignore[method-assign]
     return check
+
+
+def tighten(check: SizeCheck, shape_env: Any, since: int) -> int:
+    """Adds to ``check`` what a backend assumed about the symbols.
+
+    A backend compiling a graph traced with symbols may guard on them in the
+    trace's ShapeEnv (inductor's CPU code generation guards ``s0 <= 4096``;
+    a backend may also decide that two symbols are equal, a replacement, or
+    narrow a symbol's range). Dynamo would check those guards before every
+    call; cagrad calls the backend's code directly, so they join the check:
+    every guard recorded after the first ``since``, an equality per bound
+    symbol the ShapeEnv now replaces, and the ShapeEnv's current ranges. The
+    check only gets stricter, so the functions computed from it before stay
+    right for the values it accepts.
+
+    Returns:
+        how many guards were added.
+
+    Raises:
+        ValueError: a guard uses a symbol no size input binds (the caller
+            falls back).
+    """
+    if check.is_static:
+        return 0
+    bound, hints = check.bound_symbols, check.hints
+    new = []
+    for sym in bound:
+        target = shape_env.replace(sym)
+        if target != sym:
+            new.append(sympy.Eq(sym, target))
+    for g in shape_env.guards[since:]:
+        e = shape_env.replace(g.expr)
+        if not e.is_number:
+            new.append(e)
+        elif not bool(e):
+            raise ValueError(f"the backend recorded a guard that is always false: {g.expr}")
+    for e in new:
+        check.guards.append(_compile(bound, e, hints))
+        check.guard_exprs.append(e)
+    for j, sym in enumerate(bound):
+        vr = shape_env.var_to_range.get(sym)
+        if vr is not None:
+            lower, upper = check.ranges[j]
+            check.ranges[j] = (max(lower, float(vr.lower)), min(upper, float(vr.upper)))
+    return len(new)
 
 
 def _compile(symbols: Sequence[sympy.Symbol], expr: Any, hints: Sequence[int]) -> Callable[..., Any]:

@@ -21,7 +21,15 @@ Kinds of change (:data:`CHANGE_KINDS`), each a single edit of the IR:
   hook's numeric argument changed;
 * ``edge``: one op input replaced by another value of the same shape;
 * ``values``: the seed (new leaf values, same graph: a cache hit that must
-  give the new values' gradients).
+  give the new values' gradients);
+* ``alias``: which tensors are the same object, nothing else: a value that
+  does not require grad and is used twice gets a twin leaf for one use
+  (same shape and dtype), or one use of such a value is replaced by another
+  one of the same shape and dtype. The autograd graph and every key stay
+  the same (the values are saved tensors, not nodes), so the neighbour is a
+  cache hit that must read each saved tensor from its own position (found
+  this way: a static-size capture once read one of two saved copies of a
+  tensor for both).
 
 Some changes must change the key (an attribute the backward formula reads),
 others must not (a size under ``dynamic=True``, new values); the oracle
@@ -30,8 +38,8 @@ checks every neighbour against eager either way.
 Determinism: the choice is seeded by a hash of the program's JSON without
 its name (:func:`fuzz.interpret.program_digest`), so shrinking and replay
 re-derive the same neighbours from the same program. Attribute changes come
-first (they are the ones a key is most likely to leave out), then the other
-kinds in a seeded order, cycling until ``n`` are found; every neighbour
+first (they are the ones a key is most likely to leave out), then aliasing
+changes (which no key sees), then the other kinds in a seeded order, cycling until ``n`` are found; every neighbour
 passes :func:`fuzz.ir.validate`, and ``resizes`` are dropped (a neighbour is
 a single program).
 """
@@ -46,9 +54,9 @@ from typing import Any, NamedTuple
 
 from fuzz import ops as catalog
 from fuzz.interpret import derived_seed, program_digest
-from fuzz.ir import DTYPES, Hook, IRError, Program, ValueInfo, validate
+from fuzz.ir import DTYPES, Hook, IRError, Leaf, Program, ValueInfo, validate
 
-CHANGE_KINDS = ("attr", "dtype", "size", "requires_grad", "hook", "edge", "values")
+CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values")
 
 # a lazily built candidate: (label, thunk returning the changed program)
 _Candidate = tuple[str, Callable[[], Program]]
@@ -84,9 +92,9 @@ def derive(program: Program, n: int) -> list[Neighbour]:
     pools: dict[str, list[_Candidate]] = {kind: list(_CANDIDATES[kind](base, infos)) for kind in CHANGE_KINDS}
     for pool in pools.values():
         rng.shuffle(pool)
-    rest = [k for k in CHANGE_KINDS if k != "attr"]
+    rest = [k for k in CHANGE_KINDS if k not in ("attr", "alias")]
     rng.shuffle(rest)
-    order = ["attr", *rest]
+    order = ["attr", "alias", *rest]
     found: list[Neighbour] = []
     seen = {_identity(base)}
     while len(found) < n and any(pools.values()):
@@ -260,6 +268,42 @@ def _edge_candidates(program: Program, infos: Mapping[str, ValueInfo]) -> Iterat
                     yield f"ops[{i}].inputs[{j}]: {ref} -> {other}", _replace_op(program, i, inputs=inputs)
 
 
+def _alias_candidates(program: Program, infos: Mapping[str, ValueInfo]) -> Iterator[_Candidate]:
+    order = list(infos)
+    position = {ref: p for p, ref in enumerate(order)}
+    uses: dict[str, int] = {}
+    for op in program.ops:
+        for ref in op.inputs:
+            uses[ref] = uses.get(ref, 0) + 1
+    names = {leaf.name for leaf in program.leaves} | {op.name for op in program.ops}
+    twin = next(f"x{k}" for k in itertools.count(len(program.leaves)) if f"x{k}" not in names)
+    for i, op in enumerate(program.ops):
+        first_out = next((p for p, ref in enumerate(order) if ref.split(":", 1)[0] == op.name), len(order))
+        for j, ref in enumerate(op.inputs):
+            info = infos.get(ref)
+            if info is None or info.requires_grad:
+                continue
+            if uses[ref] > 1:
+                inputs = op.inputs[:j] + (twin,) + op.inputs[j + 1 :]
+                leaf = Leaf(twin, info.shape, info.dtype, requires_grad=False)
+                yield f"ops[{i}].inputs[{j}]: {ref} -> new leaf {twin}", _add_leaf_for(program, i, inputs, leaf)
+            for other in order[:first_out]:
+                o = infos[other]
+                if other != ref and not o.requires_grad and (o.shape, o.dtype) == (info.shape, info.dtype):
+                    if position[other] < first_out:
+                        inputs = op.inputs[:j] + (other,) + op.inputs[j + 1 :]
+                        yield f"ops[{i}].inputs[{j}]: {ref} -> {other} (same tensor)", _replace_op(program, i, inputs=inputs)
+
+
+def _add_leaf_for(program: Program, i: int, inputs: tuple[str, ...], leaf: Leaf) -> Callable[[], Program]:
+    def make() -> Program:
+        ops = list(program.ops)
+        ops[i] = dataclasses.replace(ops[i], inputs=inputs)
+        return dataclasses.replace(program, leaves=(*program.leaves, leaf), ops=tuple(ops))
+
+    return make
+
+
 def _values_candidates(program: Program, infos: Mapping[str, ValueInfo]) -> Iterator[_Candidate]:
     new = program.seed + 1
     yield f"seed: {program.seed} -> {new}", (lambda: dataclasses.replace(program, seed=new))
@@ -267,6 +311,7 @@ def _values_candidates(program: Program, infos: Mapping[str, ValueInfo]) -> Iter
 
 _CANDIDATES: dict[str, Callable[[Program, Mapping[str, ValueInfo]], Iterator[_Candidate]]] = {
     "attr": _attr_candidates,
+    "alias": _alias_candidates,
     "dtype": _dtype_candidates,
     "size": _size_candidates,
     "requires_grad": _requires_grad_candidates,

@@ -1,9 +1,10 @@
-"""``python -m harness.bench``: the side-by-side table, and its JSON."""
+"""``python -m harness.bench``: the side-by-side tables, and their JSON."""
 
 from __future__ import annotations
 
 import json
 import platform
+import shutil
 
 import click
 import torch
@@ -11,9 +12,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .first import FirstCell, fresh_cache_dir, growth_exponent, measure_first
 from .measure import measure
 from .subjects import SUBJECTS
-from .workloads import WORKLOADS
+from .workloads import FAMILIES, STEADY, WORKLOADS
 
 
 def _split(value: str, known: dict) -> list[str]:
@@ -24,23 +26,52 @@ def _split(value: str, known: dict) -> list[str]:
     return names
 
 
+FIRST_SUBJECTS = "torch_ca[eager],cagrad[eager],torch_ca[inductor],cagrad[inductor]"
+FIRST_WORKLOADS = ",".join([*FAMILIES["transformer"], *FAMILIES["chain"], "mlp"])
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--workloads", default=",".join(WORKLOADS), show_default=True, help="comma-separated")
-@click.option("--subjects", default=",".join(SUBJECTS), show_default=True, help="comma-separated")
-@click.option("--iters", default=30, show_default=True, help="timed backwards per cell")
+@click.option("--mode", type=click.Choice(["steady", "first"]), default="steady", show_default=True,
+              help="steady: hit-path backward; first: the first backward of a new graph (capture + compile)")
+@click.option("--workloads", default=None, help=f"comma-separated; default steady: {','.join(STEADY)}; "
+              f"first: {FIRST_WORKLOADS}")
+@click.option("--subjects", default=None, help=f"comma-separated; default steady: all; first: {FIRST_SUBJECTS}")
+@click.option("--iters", default=30, show_default=True, help="steady: timed backwards per cell")
+@click.option("--warm/--no-warm", default=True, show_default=True,
+              help="first: also run each cell again in a second process on the caches the first filled")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the cells here")
-def main(device: str, workloads: str, subjects: str, iters: int, threads: int | None, json_path: str | None) -> None:
-    """Steady-state backward: median ms per subject and workload, ratio to
-    eager, cagrad's own overhead per node (us), peak CUDA memory (MiB)."""
+def main(device: str, mode: str, workloads: str | None, subjects: str | None, iters: int, warm: bool,
+         threads: int | None, json_path: str | None) -> None:
+    """Backward timings side by side, one run: steady state (median ms per
+    subject and workload, ratio to eager, cagrad's own overhead per node in
+    us, peak CUDA memory in MiB) or first backward (seconds, cagrad's split
+    into trace and backend compile, cold and warm start, and the growth
+    exponent of time against node count per workload family)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA device here")
     if threads:
         torch.set_num_threads(threads)
-    wl_names = _split(workloads, WORKLOADS)
-    sub_names = _split(subjects, SUBJECTS)
+    first = mode == "first"
+    wl_names = _split(workloads or (FIRST_WORKLOADS if first else ",".join(STEADY)), WORKLOADS)
+    sub_names = _split(subjects or (FIRST_SUBJECTS if first else ",".join(SUBJECTS)), SUBJECTS)
     console = Console(width=200)
+    meta = {"device": device, "mode": mode, "torch": torch.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads()}
+    if device == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+    if first:
+        doc = _first(console, device, wl_names, sub_names, warm, threads)
+    else:
+        meta["iters"] = iters
+        doc = {"cells": _steady(console, device, wl_names, sub_names, iters)}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, **doc}, f, indent=2)
+
+
+def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[str], iters: int) -> dict:
     results: dict[str, dict[str, dict]] = {}
     for wl in wl_names:
         results[wl] = {}
@@ -75,10 +106,69 @@ def main(device: str, workloads: str, subjects: str, iters: int, threads: int | 
             cells.append(Text(text))
         table.add_row(f"{wl} ({nodes})", *cells)
     console.print(table)
-    if json_path:
-        meta = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-                "threads": torch.get_num_threads(), "iters": iters}
-        if device == "cuda":
-            meta["gpu"] = torch.cuda.get_device_name()
-        with open(json_path, "w") as f:
-            json.dump({"meta": meta, "cells": results}, f, indent=2)
+    return results
+
+
+def _peer(sub: str) -> str | None:
+    """cagrad[x] -> torch_ca[x]: the ratio column's reference."""
+    return "torch_ca" + sub[len("cagrad"):] if sub.startswith("cagrad[") else None
+
+
+def _first(console: Console, device: str, wl_names: list[str], sub_names: list[str], warm: bool,
+           threads: int | None) -> dict:
+    results: dict[str, dict[str, dict]] = {}
+    for wl in wl_names:
+        results[wl] = {}
+        for sub in sub_names:
+            cache = fresh_cache_dir()
+            try:
+                cold = measure_first(wl, sub, device, cache, threads)
+                hot = measure_first(wl, sub, device, cache, threads) if warm else FirstCell()
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            results[wl][sub] = {"cold": cold.__dict__, "warm": hot.__dict__}
+            console.log(f"{wl} / {sub}: cold {cold.seconds and round(cold.seconds, 2)} s, warm "
+                        f"{hot.seconds and round(hot.seconds, 2)} s {cold.error or hot.error or ''}", markup=False)
+    table = Table(title=f"first backward (s), {device}, torch {torch.__version__}: cold / warm; "
+                  "cagrad: trace + compile, ratio to torch_ca with the same backend")
+    table.add_column("workload (nodes)")
+    for sub in sub_names:
+        table.add_column(Text(sub), justify="right")
+    for wl in wl_names:
+        row = results[wl]
+        nodes = next((c["cold"]["nodes"] for c in row.values() if c["cold"].get("nodes")), None)
+        cells = []
+        for sub in sub_names:
+            cold, hot = row[sub]["cold"], row[sub]["warm"]
+            if cold["seconds"] is None:
+                cells.append(Text(cold["error"] or "", style="red"))
+                continue
+            text = f"{cold['seconds']:.2f}" + (f" / {hot['seconds']:.2f}" if hot.get("seconds") else "")
+            peer = row.get(_peer(sub) or "", {}).get("cold", {}).get("seconds")
+            if peer:
+                text += f" ({cold['seconds'] / peer:.2f}x)"
+            if cold.get("trace_s") is not None:
+                text += f"\n{cold['trace_s']:.2f} + {cold['compile_s']:.2f}"
+            if cold["counters"].get("fallbacks"):
+                text += f"\n{cold['counters']['fallbacks']} fallbacks"
+            cells.append(Text(text))
+        table.add_row(f"{wl} ({nodes})", *cells)
+    console.print(table)
+    exponents: dict[str, dict[str, float | None]] = {}
+    for family, members in FAMILIES.items():
+        present = [m for m in members if m in results]
+        if len(present) < 2:
+            continue
+        exponents[family] = {}
+        for sub in sub_names:
+            pts = [(results[m][sub]["cold"]["nodes"], results[m][sub]["cold"]["seconds"]) for m in present]
+            exponents[family][sub] = growth_exponent([(n, s) for n, s in pts if n and s])
+    if exponents:
+        growth = Table(title="growth exponent b of first-backward time ~ nodes^b (cold; 1.0 is linear)")
+        growth.add_column("family")
+        for sub in sub_names:
+            growth.add_column(Text(sub), justify="right")
+        for family, row in exponents.items():
+            growth.add_row(family, *[f"{row[s]:.2f}" if row[s] is not None else "-" for s in sub_names])
+        console.print(growth)
+    return {"cells": results, "growth_exponents": exponents}

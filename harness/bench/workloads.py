@@ -55,12 +55,12 @@ def _encoder(device: str, layers: int) -> Workload:
     return _module_workload(model.to(device), torch.randn(batch, seq, d, device=device))
 
 
-def transformer(device: str) -> Workload:
-    return _encoder(device, 1)
+def _stack(layers: int) -> Callable[[str], Workload]:
+    def build(device: str) -> Workload:
+        return _encoder(device, layers)
 
-
-def transformer6(device: str) -> Workload:
-    return _encoder(device, 6)
+    build.__name__ = f"transformer{layers}" if layers > 1 else "transformer"
+    return build
 
 
 def cnn(device: str) -> Workload:
@@ -84,15 +84,28 @@ class _Chain(nn.Module):
         return z
 
 
-def chain200(device: str) -> Workload:
-    width = 4096 if device == "cuda" else 64
-    return _module_workload(_Chain(width, 200, device), torch.empty(0, device=device))
+def _chain(n: int) -> Callable[[str], Workload]:
+    def build(device: str) -> Workload:
+        width = 4096 if device == "cuda" else 64
+        return _module_workload(_Chain(width, n, device), torch.empty(0, device=device))
+
+    build.__name__ = f"chain{n}"
+    return build
 
 
 WORKLOADS: dict[str, Callable[[str], Workload]] = {
     "mlp": mlp,
-    "transformer": transformer,
-    "transformer6": transformer6,
-    "chain200": chain200,
+    "transformer": _stack(1),
+    "transformer6": _stack(6),
+    "chain200": _chain(200),
     "cnn": cnn,
 }
+# the first-backward growth series (issue 11): 1-8 layers, chains of 50-400
+SERIES: dict[str, Callable[[str], Workload]] = {
+    **{f"transformer{k}": _stack(k) for k in (2, 4, 8)},
+    **{f"chain{n}": _chain(n) for n in (50, 100, 400)},
+}
+STEADY = list(WORKLOADS)  # the steady-state table's default rows
+WORKLOADS.update(SERIES)
+FAMILIES = {"transformer": ["transformer", "transformer2", "transformer4", "transformer8"],
+            "chain": ["chain50", "chain100", "chain200", "chain400"]}

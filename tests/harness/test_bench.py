@@ -39,3 +39,32 @@ def test_bench_rejects_an_unknown_workload():
     result = CliRunner().invoke(main, ["--workloads", "mlp,resnet"])
     assert result.exit_code == 2
     assert "unknown ['resnet']" in result.output
+
+
+def test_first_backward_mode_splits_cagrads_time_and_fits_the_growth(tmp_path):
+    out = tmp_path / "first.json"
+    args = ["--mode", "first", "--workloads", "chain50,chain100", "--subjects", "cagrad[eager]",
+            "--no-warm", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.bench", *args], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "first"
+    for workload, nodes in (("chain50", 53), ("chain100", 103)):
+        cold = data["cells"][workload]["cagrad[eager]"]["cold"]
+        assert cold["error"] is None and cold["nodes"] == nodes
+        assert cold["counters"] == {"captures": 1, "fallbacks": 0}
+        # the capture's parts are parts of the first backward
+        assert 0 < cold["trace_s"] and 0 < cold["compile_s"]
+        assert cold["trace_s"] + cold["compile_s"] < cold["seconds"]
+        assert data["cells"][workload]["cagrad[eager]"]["warm"]["seconds"] is None  # --no-warm
+    assert isinstance(data["growth_exponents"]["chain"]["cagrad[eager]"], float)
+
+
+def test_growth_exponent_of_known_power_laws():
+    from harness.bench.first import growth_exponent
+
+    assert abs(growth_exponent([(n, 0.003 * n) for n in (50, 100, 200, 400)]) - 1.0) < 1e-9
+    assert abs(growth_exponent([(n, 2e-5 * n**2) for n in (50, 100, 400)]) - 2.0) < 1e-9
+    assert growth_exponent([(100, 1.0)]) is None

@@ -1,0 +1,117 @@
+"""Named backends compile cagrad's graph directly (no Dynamo on top).
+
+What Dynamo's guards used to check must still hold: size guards the backend
+adds while compiling, inputs that are the same tensor in one backward and
+different tensors in the next, and the global state the graph was compiled
+in. Every case compares with eager autograd.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.registry import register_backend
+
+import cagrad
+
+from .conftest import same
+
+_GUARDED: list[bool] = []
+
+
+@register_backend(name="cagrad_test_guarding")
+def _guarding_backend(gm, example_inputs):
+    """Specializes on the first symbolic dimension it finds, the way
+    inductor's code generation does (``s0 <= 4096``): it branches on it, which
+    records a guard in the ShapeEnv, and returns code valid only on that side."""
+    dims = [
+        x.shape[0]
+        for x in example_inputs
+        if isinstance(x, torch.Tensor) and x.dim() and isinstance(x.shape[0], torch.SymInt)
+    ]
+    assert dims, "the test needs a graph traced with symbolic sizes"
+    small = bool(dims[0] < 10)  # a guard on the symbol
+    _GUARDED.append(small)
+
+    def run(*args):
+        first = next(a for a in args if isinstance(a, torch.Tensor) and a.dim())
+        if (first.shape[0] < 10) != small:
+            raise AssertionError("compiled code called outside the guard its backend recorded")
+        return gm(*args)
+
+    return run
+
+
+def _mlp_step(model, n):
+    torch.manual_seed(n)
+    x = torch.randn(n, 8)
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_size_guard_the_backend_adds_is_checked_on_every_hit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    sizes = [4, 6, 32, 5, 40]
+    expected = [_mlp_step(model, n) for n in sizes]
+    before = len(_GUARDED)
+    with cagrad.enable("cagrad_test_guarding", dynamic=True):
+        actual = [_mlp_step(model, n) for n in sizes]
+    for e, a in zip(expected, actual):
+        for x, y in zip(e, a):
+            same(x, y)
+    # one graph for sizes below 10, one for the rest: the backend's guard
+    # split them, and each later size found the graph on its side
+    assert _GUARDED[before:] == [True, False]
+    assert cagrad.counters["captures"] == 2
+    assert cagrad.counters["fallbacks"] == 0
+    assert cagrad.counters["backend_compiles"] == 2
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_one_tensor_saved_twice_then_two_tensors_is_not_read_as_one(backend, dynamic):
+    """``(w * c1) * c`` saves ``c1`` and ``c``: the same tensor in some
+    steps, two tensors in others; the cache key is the same for both."""
+    w = torch.randn(4, requires_grad=True)
+    c1, c2 = torch.randn(4), torch.randn(4)
+    pattern = [True, False, True, False]
+
+    def step(same_tensor):
+        w.grad = None
+        ((w * c1) * (c1 if same_tensor else c2)).sum().backward()
+        return w.grad.clone()
+
+    expected = [step(s) for s in pattern]
+    with cagrad.enable(backend, dynamic=dynamic):
+        actual = [step(s) for s in pattern]
+    for e, a in zip(expected, actual):
+        same(e, a)
+    assert cagrad.counters["captures"] == 1
+    assert cagrad.counters["cache_hits"] == 3
+
+
+def test_a_changed_global_state_falls_back_with_its_reason():
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    x = torch.randn(4, 5)
+
+    def step():
+        w.grad = None
+        (x @ w).relu().sum().backward()
+        return w.grad.clone()
+
+    expected = step()
+    before = torch.are_deterministic_algorithms_enabled()
+    with cagrad.enable("aot_eager"):
+        same(expected, step())
+        try:
+            torch.use_deterministic_algorithms(True)
+            same(expected, step())
+        finally:
+            torch.use_deterministic_algorithms(before)
+        same(expected, step())
+    assert cagrad.counters["fallback_reasons"] == {"global_state_changed": 1}
+    assert cagrad.counters["captures"] == 1
+    assert cagrad.counters["cache_hits"] == 1
