@@ -154,15 +154,15 @@ def lift_free_symbols(flat: torch.fx.GraphModule, examples: list[Any]) -> list[A
     be bound by nothing). Appends to ``examples``.
 
     Returns:
-        the symbols added (sympy), in input order.
+        the symbols added (sympy), sorted by name, as their inputs are.
     """
     carried = set()
-    wanted: dict[Any, int] = {}
+    wanted = set()
+    shape_env = None
     for val in examples:
         if isinstance(val, torch.SymInt):
-            expr = val.node.expr
-            if expr.is_Symbol:
-                carried.add(expr)
+            if val.node.expr.is_Symbol:
+                carried.add(val.node.expr)
             sizes: tuple[Any, ...] = (val,)
         elif isinstance(val, torch.Tensor):
             sizes = (*val.shape, *val.stride(), val.storage_offset())
@@ -171,14 +171,13 @@ def lift_free_symbols(flat: torch.fx.GraphModule, examples: list[Any]) -> list[A
         for x in sizes:
             if isinstance(x, torch.SymInt):
                 shape_env = x.node.shape_env
-                for sym in x.node.expr.free_symbols:
-                    wanted.setdefault(sym, 0)
-    missing = [sym for sym in wanted if sym not in carried]
+                wanted |= x.node.expr.free_symbols
+    missing = sorted(wanted - carried, key=str)
     if not missing:
         return []
     values = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
     last = [n for n in flat.graph.nodes if n.op == "placeholder"][-1]
-    for sym in sorted(missing, key=str):
+    for sym in missing:
         with flat.graph.inserting_after(last):
             last = flat.graph.placeholder(f"symbol_{sym}")
         hint = values.get(sym)
@@ -186,7 +185,7 @@ def lift_free_symbols(flat: torch.fx.GraphModule, examples: list[Any]) -> list[A
         last.meta["val"] = val
         examples.append(val)
     flat.recompile()
-    return sorted(missing, key=str)
+    return missing
 
 
 class DirectCompiled:

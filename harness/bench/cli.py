@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+from collections.abc import Callable
 
 import click
 import torch
@@ -80,33 +81,48 @@ def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[
             cell = measure(WORKLOADS[wl](device), SUBJECTS[sub], device, iters)
             results[wl][sub] = cell.__dict__
             console.log(f"{wl} / {sub}: {cell.ms and round(cell.ms, 3)} ms {cell.error or ''}", markup=False)
-    table = Table(title=f"steady-state backward, {device}, torch {torch.__version__}")
+
+    def steady_text(row: dict, sub: str) -> str:
+        c, eager_ms = row[sub], row.get("eager", {}).get("ms")
+        text = f"{c['ms']:.3f} ms"
+        if eager_ms and sub != "eager":
+            text += f" ({c['ms'] / eager_ms:.2f}x)"
+        if c.get("overhead_us_per_node") is not None:
+            text += f"\n{c['overhead_us_per_node']:.2f} us/node"
+        if c.get("peak_mib") is not None:
+            text += f"\n{c['peak_mib']:.0f} MiB"
+        return text
+
+    table = _grid(f"steady-state backward, {device}, torch {torch.__version__}", results, wl_names, sub_names,
+                  lambda c: c, "ms", steady_text)
+    console.print(table)
+    return results
+
+
+def _grid(title: str, results: dict, wl_names: list[str], sub_names: list[str],
+          measured: Callable[[dict], dict], value: str, text: Callable[[dict, str], str]) -> Table:
+    """A workload x subject table: ``text(row, subject)`` for each measured
+    cell (``measured(cell)[value]`` set), the error in red otherwise, and the
+    count of cagrad fallbacks under it."""
+    table = Table(title=title)
     table.add_column("workload (nodes)")
     for sub in sub_names:
         table.add_column(Text(sub), justify="right")
     for wl in wl_names:
         row = results[wl]
-        eager_ms = row.get("eager", {}).get("ms")
-        nodes = next((c["nodes"] for c in row.values() if c.get("nodes")), None)
+        nodes = next((measured(c)["nodes"] for c in row.values() if measured(c).get("nodes")), None)
         cells = []
         for sub in sub_names:
-            c = row[sub]
-            if c["ms"] is None:
-                cells.append(Text(c["error"], style="red"))
+            c = measured(row[sub])
+            if c[value] is None:
+                cells.append(Text(c["error"] or "", style="red"))
                 continue
-            text = f"{c['ms']:.3f} ms"
-            if eager_ms and sub != "eager":
-                text += f" ({c['ms'] / eager_ms:.2f}x)"
-            if c.get("overhead_us_per_node") is not None:
-                text += f"\n{c['overhead_us_per_node']:.2f} us/node"
-            if c.get("peak_mib") is not None:
-                text += f"\n{c['peak_mib']:.0f} MiB"
+            out = text(row, sub)
             if c["counters"].get("fallbacks"):
-                text += f"\n{c['counters']['fallbacks']} fallbacks"
-            cells.append(Text(text))
+                out += f"\n{c['counters']['fallbacks']} fallbacks"
+            cells.append(Text(out))
         table.add_row(f"{wl} ({nodes})", *cells)
-    console.print(table)
-    return results
+    return table
 
 
 def _peer(sub: str) -> str | None:
@@ -129,30 +145,20 @@ def _first(console: Console, device: str, wl_names: list[str], sub_names: list[s
             results[wl][sub] = {"cold": cold.__dict__, "warm": hot.__dict__}
             console.log(f"{wl} / {sub}: cold {cold.seconds and round(cold.seconds, 2)} s, warm "
                         f"{hot.seconds and round(hot.seconds, 2)} s {cold.error or hot.error or ''}", markup=False)
-    table = Table(title=f"first backward (s), {device}, torch {torch.__version__}: cold / warm; "
-                  "cagrad: trace + compile, ratio to torch_ca with the same backend")
-    table.add_column("workload (nodes)")
-    for sub in sub_names:
-        table.add_column(Text(sub), justify="right")
-    for wl in wl_names:
-        row = results[wl]
-        nodes = next((c["cold"]["nodes"] for c in row.values() if c["cold"].get("nodes")), None)
-        cells = []
-        for sub in sub_names:
-            cold, hot = row[sub]["cold"], row[sub]["warm"]
-            if cold["seconds"] is None:
-                cells.append(Text(cold["error"] or "", style="red"))
-                continue
-            text = f"{cold['seconds']:.2f}" + (f" / {hot['seconds']:.2f}" if hot.get("seconds") else "")
-            peer = row.get(_peer(sub) or "", {}).get("cold", {}).get("seconds")
-            if peer:
-                text += f" ({cold['seconds'] / peer:.2f}x)"
-            if cold.get("trace_s") is not None:
-                text += f"\n{cold['trace_s']:.2f} + {cold['compile_s']:.2f}"
-            if cold["counters"].get("fallbacks"):
-                text += f"\n{cold['counters']['fallbacks']} fallbacks"
-            cells.append(Text(text))
-        table.add_row(f"{wl} ({nodes})", *cells)
+
+    def first_text(row: dict, sub: str) -> str:
+        cold, hot = row[sub]["cold"], row[sub]["warm"]
+        text = f"{cold['seconds']:.2f}" + (f" / {hot['seconds']:.2f}" if hot.get("seconds") else "")
+        peer = row.get(_peer(sub) or "", {}).get("cold", {}).get("seconds")
+        if peer:
+            text += f" ({cold['seconds'] / peer:.2f}x)"
+        if cold.get("trace_s") is not None:
+            text += f"\n{cold['trace_s']:.2f} + {cold['compile_s']:.2f}"
+        return text
+
+    table = _grid(f"first backward (s), {device}, torch {torch.__version__}: cold / warm; "
+                  "cagrad: trace + compile, ratio to torch_ca with the same backend", results, wl_names, sub_names,
+                  lambda c: c["cold"], "seconds", first_text)
     console.print(table)
     exponents: dict[str, dict[str, float | None]] = {}
     for family, members in FAMILIES.items():

@@ -12,15 +12,22 @@ from click.testing import CliRunner
 from harness.bench.cli import main
 
 
-def test_bench_measures_every_cell_and_writes_json(tmp_path):
-    # its own process, as users run it: hooks other tests leave alive in this
-    # one would (rightly) keep cagrad off its guarded hit path
-    out = tmp_path / "bench.json"
-    args = ["--workloads", "mlp,chain200", "--subjects", "eager,cagrad[eager]", "--iters", "3", "--json", str(out)]
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    """``python -m harness.bench ARGS`` in its own process, as users run it;
+    asserts it exits 0."""
     result = subprocess.run(
         [sys.executable, "-m", "harness.bench", *args], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_bench_measures_every_cell_and_writes_json(tmp_path):
+    # its own process, as users run it: hooks other tests leave alive in this
+    # one would (rightly) keep cagrad off its guarded hit path
+    out = tmp_path / "bench.json"
+    result = _bench("--workloads", "mlp,chain200", "--subjects", "eager,cagrad[eager]", "--iters", "3",
+                    "--json", str(out))
     data = json.loads(out.read_text())
     assert data["meta"]["device"] == "cpu"
     for workload, nodes in (("mlp", 22), ("chain200", 203)):
@@ -43,12 +50,8 @@ def test_bench_rejects_an_unknown_workload():
 
 def test_first_backward_mode_splits_cagrads_time_and_fits_the_growth(tmp_path):
     out = tmp_path / "first.json"
-    args = ["--mode", "first", "--workloads", "chain50,chain100", "--subjects", "cagrad[eager]",
-            "--no-warm", "--json", str(out)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.bench", *args], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    _bench("--mode", "first", "--workloads", "chain50,chain100", "--subjects", "cagrad[eager]",
+           "--no-warm", "--json", str(out))
     data = json.loads(out.read_text())
     assert data["meta"]["mode"] == "first"
     for workload, nodes in (("chain50", 53), ("chain100", 103)):
