@@ -36,6 +36,8 @@ See docs/DESIGN.md for the architecture; the modules map onto it:
 ``explain``            why a backward misses the cache
 ``logs``               the cagrad / cagrad.verbose loggers, CAGRAD_LOGS
 ``events``             capture and run listeners
+``disk_cache``         captured graphs stored on disk (warm start, cache_dir)
+``graph_serde``        captured graphs and size expressions as plain data
 =====================  =====================================================
 """
 
@@ -47,7 +49,7 @@ from . import run_context as _run_context
 from .api import Capture, capture, enable, reset
 from .cache_key import CacheKey
 from .counters import counters
-from .errors import Unsupported
+from .errors import CacheFileError, Unsupported
 from .explain import Diagnosis, explain
 from .logs import set_logs
 
@@ -61,6 +63,7 @@ except ValueError as _e:
     _logs.log.warning("%s", _e)
 
 __all__ = [
+    "CacheFileError",
     "CacheKey",
     "Capture",
     "Diagnosis",

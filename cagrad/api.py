@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -14,9 +16,15 @@ from .cache_key import CacheKey
 from .cache import CacheNode
 from .compiled_backward import CollectedBackward, check_supported_mode, collect_backward, trace_with_retries
 from .counters import counters
+from .cuda_graphs import check_mode
 
 
-def enable(compiler_fn: CompilerFn = "inductor", dynamic: bool = True) -> _Enabled:
+def enable(
+    compiler_fn: CompilerFn = "inductor",
+    dynamic: bool = True,
+    mode: str | None = None,
+    cache_dir: str | os.PathLike | bool | None = None,
+) -> _Enabled:
     """Runs every backward started inside the context through cagrad.
 
     ``Tensor.backward``, ``torch.autograd.backward`` and
@@ -36,6 +44,10 @@ def enable(compiler_fn: CompilerFn = "inductor", dynamic: bool = True) -> _Enabl
         dynamic: with True (the default), sizes are symbols from the first
             capture: a backward that differs from a cached one only in sizes
             is a cache hit, and the backend compiles the graph for any size.
+            Sizes equal at capture share a symbol (duck sizing, as
+            ``torch.compile``'s): when they stop being equal (a batch of 4
+            beside a layer width of 4, then a batch of 5) the graph is
+            traced once more with them apart, and hits from then on.
             With False, sizes start static; the first time a backward differs
             from a cached one only in sizes, the sizes that changed become
             symbols and the graph is traced once more, after which any value
@@ -43,6 +55,29 @@ def enable(compiler_fn: CompilerFn = "inductor", dynamic: bool = True) -> _Enabl
             STATIC -> DYNAMIC ``SizeInput``). Either way, sizes a C++ node
             keeps with no Python formula stay static (see
             :mod:`cagrad.formulas`).
+        mode: ``"reduce-overhead"`` replays each whole-graph compiled
+            backward on CUDA as a CUDA graph (parameters read in place,
+            other inputs copied into the graph's buffers; one graph per
+            tuple of sizes, at most :data:`cagrad.cuda_graphs.MAX_GRAPHS`);
+            backwards where that is not safe (opaque calls, CPU inputs,
+            ``create_graph``) run without one, counted in
+            ``cagrad.counters["cudagraph_skips"]`` with the reason. None or
+            ``"default"``: no CUDA graphs. See :mod:`cagrad.cuda_graphs`.
+        cache_dir: a directory where captured graphs are kept across
+            processes (warm start): a capture first looks its graph up
+            there and, if found and its size check accepts the sizes,
+            rebuilds it instead of tracing (``counters["disk_hits"]``; it
+            still counts as a capture); a graph that was traced is written
+            there once its compile succeeded (``disk_stores``). The backend's
+            own disk caches (inductor's) then find their compiled code
+            too. None (the default): the environment variable
+            ``CAGRAD_CACHE_DIR`` if set, else no disk cache; False: none.
+            Only graphs that depend on nothing but their keys are stored:
+            not those of a callable ``compiler_fn`` or of backends other
+            than ``"eager"``, ``"aot_eager"`` and ``"inductor"``, nor graphs
+            with hooks, opaque calls, custom ``autograd.Function``\\ s or
+            compiled-forward (AOT) backwards (``disk_skips``). See
+            :mod:`cagrad.disk_cache` for the key and the file format.
 
     Contexts nest; the innermost one's compiler is used, and each compiler
     keeps its own cache until :func:`reset`. A context belongs to the thread
@@ -52,18 +87,27 @@ def enable(compiler_fn: CompilerFn = "inductor", dynamic: bool = True) -> _Enabl
 
     Raises:
         TypeError / ValueError: for a ``compiler_fn`` that is neither a
-            registered backend name nor a callable (on entering).
+            registered backend name nor a callable (on entering); an
+            unknown ``mode`` (ValueError, at once).
         RuntimeError: on leaving contexts out of order, or from another
             thread (the context stays open and can still be left properly).
+        cagrad.CacheFileError: from a backward whose file in the cache
+            directory is not a cagrad cache file, was written by another
+            format, torch, Python or cagrad version, is truncated or corrupt,
+            holds another key, or cannot be rebuilt; nothing of that
+            backward has run. Delete the file named in the error. A file
+            that cannot be written is logged (warning) and skipped.
     """
-    return _Enabled(compiler_fn, dynamic)
+    return _Enabled(compiler_fn, dynamic, check_mode(mode), cache_dir)
 
 
 class _Enabled:
     """The context manager :func:`enable` returns (single use)."""
 
-    def __init__(self, compiler_fn: CompilerFn, dynamic: bool) -> None:
-        self._args = (compiler_fn, dynamic)
+    def __init__(
+        self, compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False, cache_dir: Any = None
+    ) -> None:
+        self._args = (compiler_fn, dynamic, cuda_graphs, cache_dir)
         self._state: engine.EnableState | None = None
 
     def __enter__(self) -> None:
@@ -96,11 +140,17 @@ class Capture:
             roots).
         task_key: the key of the backward as a whole (mode, root gradients'
             metadata, inputs), which precedes ``cache_keys`` in the cache.
+        size_values: every size slot of the backward, in slot order: its
+            value (int) where it may become a symbol, None where it stays
+            static (sizes a C++ node keeps with no Python formula, values
+            too large to be symbols). With ``dynamic=True``, slots of equal
+            value share a symbol (duck sizing, see :func:`enable`).
     """
 
     graph_module: torch.fx.GraphModule
     cache_keys: list[CacheKey]
     task_key: CacheKey
+    size_values: tuple[int | None, ...] = ()
 
 
 def capture(
@@ -135,7 +185,8 @@ def capture(
     sizes = collected.collector.sizes
     slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
     traced = trace_with_retries(collected, CacheNode(), slots, count=False)
-    return Capture(traced.graph_module, collected.node_keys, collected.task_key)
+    values = tuple(v if ok else None for v, ok in zip(sizes.values, sizes.dynamic_ok))
+    return Capture(traced.graph_module, collected.node_keys, collected.task_key, values)
 
 
 def backward_arguments(

@@ -70,6 +70,9 @@ class CacheNode:
             (one per set of static sizes and specializations).
         dynamic_slots: the slots that have changed between backwards (with
             ``dynamic=False``), traced as symbols from then on.
+        distinct_slots: slots that changed while others of the same value
+            at capture did not: duck sizing gives them symbols of their own
+            from then on (see :class:`cagrad.compiler.AutogradCompilerInstance`).
         profile, respeculations: the None patterns seen where a trace's
             assumption failed (see :class:`cagrad.walk.BackwardWalk`), and how
             often it was recaptured for them.
@@ -87,6 +90,7 @@ class CacheNode:
         "verdict",
         "variants",
         "dynamic_slots",
+        "distinct_slots",
         "profile",
         "respeculations",
         "captures",
@@ -100,6 +104,7 @@ class CacheNode:
         self.verdict: FallbackVerdict | None = None
         self.variants: list[CompiledEntry] = []
         self.dynamic_slots: frozenset[int] = frozenset()
+        self.distinct_slots: frozenset[int] = frozenset()
         self.profile: dict[Any, tuple[bool, ...]] = {}
         self.respeculations = 0
         self.captures = 0

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from . import direct_compile, events, explain, hit_path, host, logs, run_context, runtime, segments
+from . import cuda_graphs, direct_compile, events, explain, hit_path, host, logs, run_context, runtime, segments
+from . import disk_cache
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
@@ -127,12 +128,15 @@ def trace(
     profile: dict | None = None,
     dynamic_slots: frozenset[int] = frozenset(),
     force_opaque: frozenset[int] = frozenset(),
+    distinct_slots: frozenset[int] = frozenset(),
 ) -> Traced:
     """Captures ``collected`` into a GraphModule (no compile, no run).
 
     Args:
         profile: None patterns seen at speculative calls before.
         dynamic_slots: size slots to trace as symbols.
+        distinct_slots: of those, slots not duck-sized with slots outside
+            them (see :class:`~cagrad.compiler.AutogradCompilerInstance`).
         force_opaque: run-order positions of nodes to call as they are
             instead of tracing them (they failed to trace before).
 
@@ -149,6 +153,7 @@ def trace(
         profile=profile,
         dynamic_slots=dynamic_slots,
         force_opaque=force_opaque,
+        distinct_slots=distinct_slots,
     ).capture()
 
 
@@ -171,7 +176,7 @@ def trace_with_retries(
     """
     while True:
         try:
-            return trace(collected, node.profile, dynamic_slots, node.force_opaque)
+            return trace(collected, node.profile, dynamic_slots, node.force_opaque, node.distinct_slots)
         except NodeTraceFailed as e:
             if e.pos in node.force_opaque or len(node.force_opaque) >= MAX_FORCED_OPAQUE:
                 raise Unsupported(e.reason, e.detail) from e
@@ -218,8 +223,17 @@ def run(
     compile_graph: Callable[..., Callable[..., Any]],
     eager_engine: Any,
     dynamic: bool,
+    cuda_graphs: bool = False,
+    disk: disk_cache.DiskCache | None = None,
 ) -> Any:
-    """Runs one backward through cagrad, or through eager when it must."""
+    """Runs one backward through cagrad, or through eager when it must.
+
+    ``cuda_graphs``: wrap new whole-graph entries in
+    :class:`~cagrad.cuda_graphs.CudaGraphed` (``mode="reduce-overhead"``).
+    ``disk``: where captures are looked up before tracing and stored after
+    compiling (:mod:`cagrad.disk_cache`); its
+    :class:`~cagrad.errors.CacheFileError` propagates.
+    """
     counters.bump("backwards")
     outs = None
     try:
@@ -244,7 +258,9 @@ def run(
         if found is None:
             reason = explain.diagnose(cache, collected.keys, sizes) if _wants_reason() else None
             node = cache.lookup(collected.keys)
-            entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic, reason)
+            entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic, reason, disk)
+            if cuda_graphs:
+                _use_cuda_graphs(entry, call.create_graph)
             sym_values = entry.check.match(sizes.values)
             if sym_values is None:
                 raise Unsupported("dynamic_shapes", "a fresh capture does not accept its own sizes")
@@ -422,13 +438,27 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool) -> frozenset[int]
     marks ``SizeInput``\\ s DYNAMIC the same way).
     """
     ok = sizes.dynamic_ok
+    if node.variants:
+        # duck sizing merged these with slots of the same value that kept it
+        changed = node.variants[0].check.changed(sizes.values)
+        node.distinct_slots = node.distinct_slots | frozenset(i for i in changed if ok[i])
     if dynamic:
         return frozenset(i for i, d in enumerate(ok) if d)
     if not node.variants:
         return frozenset()
-    changed = node.variants[0].check.changed(sizes.values)
     node.dynamic_slots = node.dynamic_slots | frozenset(i for i in changed if ok[i])
     return node.dynamic_slots
+
+
+def _use_cuda_graphs(entry: CompiledEntry, create_graph: bool) -> None:
+    """Wraps a fresh entry's compiled backward for CUDA graph replay, or
+    counts why it stays as it is (:mod:`cagrad.cuda_graphs`)."""
+    why = cuda_graphs.unsafe_reason(entry.traced, create_graph)
+    if why is not None:
+        counters.record_cudagraph_skip(why)
+        logs.verbose_log.debug("no CUDA graph for this backward: %s", why)
+    elif entry.fn is not None and not isinstance(entry.fn, cuda_graphs.CudaGraphed):
+        entry.fn = cuda_graphs.CudaGraphed(entry.fn)
 
 
 def _wants_reason() -> bool:
@@ -443,6 +473,7 @@ def _capture(
     compile_graph: Callable[..., Callable[..., Any]],
     dynamic: bool,
     reason: Any = None,
+    disk: disk_cache.DiskCache | None = None,
 ) -> CompiledEntry:
     if len(node.variants) >= MAX_VARIANTS:
         node.verdict = FallbackVerdict(
@@ -454,8 +485,9 @@ def _capture(
     shape_change = bool(node.variants)
     dynamic_slots = _dynamic_slots(node, sizes, dynamic)
     started = time.perf_counter()
+    stored = disk.load(collected, compiler_fn, dynamic) if disk is not None else None
     try:
-        traced = trace_with_retries(collected, node, dynamic_slots)
+        traced = stored if stored is not None else trace_with_retries(collected, node, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)
     except Unsupported as u:
         node.verdict = FallbackVerdict(u.reason, u.detail)
@@ -472,6 +504,7 @@ def _capture(
             "sizes marked dynamic: %s",
             ", ".join(sizes.origin(i) for i in sorted(dynamic_slots)[:16]),
         )
+    record = disk.record(collected, traced, compiler_fn, dynamic) if disk is not None and stored is None else None
     traced_at = time.perf_counter()
     env = traced.shape_env
     guards_before = len(env.guards) if env is not None else 0
@@ -495,6 +528,8 @@ def _capture(
         node.verdict = FallbackVerdict("compile_failed", f"{type(e).__name__}: {e}")
         raise Unsupported("compile_failed", f"{type(e).__name__}: {e}") from e
     compiled_at = time.perf_counter()
+    if record is not None:
+        disk.store(record)
     node.variants.append(entry)
     logs.graph_captured(traced.graph_module)
     events.emit_capture(

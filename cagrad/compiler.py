@@ -284,6 +284,17 @@ class AutogradCompilerInstance:
         dynamic_slots: the size slots to trace as symbols.
         force_opaque: positions of nodes to run as they are (they failed to
             trace before).
+        distinct_slots: slots that changed while slots of the same value
+            did not, in an earlier backward of these keys.
+
+    Duck sizing: dynamic slots with the same value at capture share one
+    symbol, as ``torch.compile``'s ShapeEnv does by default, except that
+    ``distinct_slots`` share symbols only among themselves. Giving each slot
+    a symbol of its own instead made the trace learn every equality the
+    graph needs as a guard (one sympy evaluation each) and cost 4-5x the
+    static trace; the price of duck sizing is one more capture when two
+    sizes that were equal stop being equal (a batch of 4 beside a layer of
+    width 4), after which they stay apart.
     """
 
     def __init__(
@@ -294,6 +305,7 @@ class AutogradCompilerInstance:
         profile: dict | None = None,
         dynamic_slots: frozenset[int] = frozenset(),
         force_opaque: frozenset[int] = frozenset(),
+        distinct_slots: frozenset[int] = frozenset(),
     ) -> None:
         self.task = task
         self.collector = collector
@@ -318,10 +330,15 @@ class AutogradCompilerInstance:
                 allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=self.shape_env
             )
             by_symbol: dict[Any, torch.SymInt] = {}
+            duck: dict[tuple[int, bool], Any] = {}
             for k in sorted(dynamic_slots):
                 v = values[k]
-                source = ConstantSource(f"size{k}")
-                sym = self.shape_env.create_symbol(v, source, dynamic_dim=DimDynamic.DYNAMIC)
+                group = (v, k in distinct_slots)
+                sym = duck.get(group)
+                if sym is None:
+                    source = ConstantSource(f"size{k}")
+                    sym = self.shape_env.create_symbol(v, source, dynamic_dim=DimDynamic.DYNAMIC)
+                    duck[group] = sym
                 if sym.is_number:
                     continue  # 0 and 1 are specialized: the slot stays static
                 symint = by_symbol.get(sym)

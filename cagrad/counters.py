@@ -26,6 +26,12 @@ _INT_KEYS = (
     # compiles them on their first call and guards them)
     "nodes_forced_opaque",  # nodes that failed to trace and run as they are in
     # their compiled backward (the rest of the graph stays compiled)
+    "cudagraph_records",  # CUDA graphs recorded (mode="reduce-overhead", cagrad.cuda_graphs)
+    "cudagraph_replays",  # compiled backwards replayed as a CUDA graph
+    "cudagraph_skips",  # compiled backwards of that mode run without a graph
+    "disk_hits",  # captures loaded from the disk cache instead of traced (cagrad.disk_cache)
+    "disk_stores",  # captures written to the disk cache
+    "disk_skips",  # captures with a disk cache that were not written (reason logged at DEBUG)
 )
 
 
@@ -35,11 +41,15 @@ class Counters(Mapping[str, Any]):
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
     ``guard_hits``, ``fallbacks``, ``recompiles_shape``,
     ``recompiles_new_node``, ``deopts``, ``segment_compile_failures``,
-    ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``;
+    ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
+    ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
+    ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.disk_cache`;
+    a disk hit is a capture too: ``captures`` counts it);
     ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
     :class:`cagrad.errors.Unsupported`) to the number of backward passes that
-    fell back for it; and ``opaque_reasons``, the same for nodes forced to
-    run as they are. ``cagrad.reset()`` sets them all to zero in place, so a
+    fell back for it; ``opaque_reasons``, the same for nodes forced to
+    run as they are; and ``cudagraph_skip_reasons``, the same for compiled
+    backwards run without a CUDA graph (:mod:`cagrad.cuda_graphs`). ``cagrad.reset()`` sets them all to zero in place, so a
     reference to this object stays valid.
     """
 
@@ -48,26 +58,30 @@ class Counters(Mapping[str, Any]):
         self._ints: dict[str, int] = dict.fromkeys(_INT_KEYS, 0)
         self._reasons: collections.Counter[str] = collections.Counter()
         self._opaque: collections.Counter[str] = collections.Counter()
+        self._cudagraph: collections.Counter[str] = collections.Counter()
 
     def __getitem__(self, key: str) -> Any:
         if key == "fallback_reasons":
             return self._reasons
         if key == "opaque_reasons":
             return self._opaque
+        if key == "cudagraph_skip_reasons":
+            return self._cudagraph
         return self._ints[key]
 
     def __iter__(self) -> Iterator[str]:
         yield from self._ints
         yield "fallback_reasons"
         yield "opaque_reasons"
+        yield "cudagraph_skip_reasons"
 
     def __len__(self) -> int:
-        return len(self._ints) + 2
+        return len(self._ints) + 3
 
     def __repr__(self) -> str:
         return (
             f"Counters({dict(self._ints)}, fallback_reasons={dict(self._reasons)}, "
-            f"opaque_reasons={dict(self._opaque)})"
+            f"opaque_reasons={dict(self._opaque)}, cudagraph_skip_reasons={dict(self._cudagraph)})"
         )
 
     def bump(self, key: str, n: int = 1) -> None:
@@ -88,12 +102,19 @@ class Counters(Mapping[str, Any]):
             self._opaque[reason] += 1
         log.info("cagrad runs a node as it is (%s): %s", reason, detail)
 
+    def record_cudagraph_skip(self, reason: str) -> None:
+        """Counts one compiled backward run without its CUDA graph."""
+        with self._lock:
+            self._ints["cudagraph_skips"] += 1
+            self._cudagraph[reason] += 1
+
     def clear(self) -> None:
         with self._lock:
             for key in self._ints:
                 self._ints[key] = 0
             self._reasons.clear()
             self._opaque.clear()
+            self._cudagraph.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """A plain-dict copy, e.g. for deltas around a run."""
@@ -101,6 +122,7 @@ class Counters(Mapping[str, Any]):
             out: dict[str, Any] = dict(self._ints)
             out["fallback_reasons"] = dict(self._reasons)
             out["opaque_reasons"] = dict(self._opaque)
+            out["cudagraph_skip_reasons"] = dict(self._cudagraph)
             return out
 
 

@@ -26,6 +26,7 @@ from torch.autograd.variable import Variable
 from . import compiled_backward, run_context
 from .backends import CompilerFn, resolve
 from .cache import CacheNode
+from .disk_cache import DiskCache, resolve_dir
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,12 +37,14 @@ class EnableState:
     dynamic: bool
     compile_graph: Callable[..., Any]
     cache: CacheNode
+    cuda_graphs: bool = False  # mode="reduce-overhead" (cagrad.cuda_graphs)
+    disk: DiskCache | None = None  # cache_dir (cagrad.disk_cache)
 
 
 # guards the caches, the counters and the engine swap; a cagrad backward holds
 # it while it runs, so backwards of several threads run one at a time
 _lock = threading.RLock()
-_caches: dict[tuple[Any, bool], CacheNode] = {}
+_caches: dict[tuple[Any, bool, bool], CacheNode] = {}
 # per thread: ``stack`` (the thread's enable contexts), ``busy``
 _tls = threading.local()
 _open_contexts = 0  # in all threads; the engine is swapped in while > 0
@@ -55,10 +58,10 @@ def _stack() -> list[EnableState]:
     return stack
 
 
-def cache_for(compiler_fn: CompilerFn, dynamic: bool) -> CacheNode:
+def cache_for(compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False) -> CacheNode:
     """The trie root for one compiler (kept until ``cagrad.reset()``)."""
     with _lock:
-        key = (compiler_fn, dynamic)
+        key = (compiler_fn, dynamic, cuda_graphs)
         root = _caches.get(key)
         if root is None:
             root = _caches[key] = CacheNode()
@@ -118,7 +121,14 @@ class CagradEngine:
             gc.disable()
             try:
                 result = compiled_backward.run(
-                    call, state.cache, state.compiler_fn, state.compile_graph, self._eager, state.dynamic
+                    call,
+                    state.cache,
+                    state.compiler_fn,
+                    state.compile_graph,
+                    self._eager,
+                    state.dynamic,
+                    cuda_graphs=state.cuda_graphs,
+                    disk=state.disk,
                 )
             finally:
                 _tls.busy = False
@@ -157,11 +167,19 @@ def _tracing() -> bool:
 _engine = CagradEngine(_eager_engine)
 
 
-def push(compiler_fn: CompilerFn, dynamic: bool) -> EnableState:
+def push(compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False, cache_dir: Any = None) -> EnableState:
     """Activates a compiler in this thread; installs the engine on the first
-    context of any thread."""
+    context of any thread. ``cache_dir``: see :func:`cagrad.disk_cache.resolve_dir`."""
     global _open_contexts
-    state = EnableState(compiler_fn, dynamic, resolve(compiler_fn), cache_for(compiler_fn, dynamic))
+    directory = resolve_dir(cache_dir)
+    state = EnableState(
+        compiler_fn,
+        dynamic,
+        resolve(compiler_fn),
+        cache_for(compiler_fn, dynamic, cuda_graphs),
+        cuda_graphs,
+        None if directory is None else DiskCache(directory),
+    )
     with _lock:
         _stack().append(state)
         _open_contexts += 1

@@ -52,3 +52,29 @@ class EagerError(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
+
+
+class CacheFileError(RuntimeError):
+    """A file of cagrad's disk cache (``enable(cache_dir=...)``) cannot be used.
+
+    Raised by the backward that looked the file up, before anything ran: the
+    file does not start with cagrad's magic line, its header is not cagrad's
+    or names another format, torch, Python or cagrad version, its body is
+    truncated or does not match its checksum, the key stored in it is not the
+    key it was looked up for, or the graph in it cannot be rebuilt. cagrad
+    never uses such a file, and never deletes or rewrites it by itself: remove
+    it (or the whole cache directory) and the next backward traces and
+    stores its graph again.
+
+    Attributes:
+        path: the file.
+        problem: what is wrong with it.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(
+            f"cagrad: cache file {path} cannot be used: {problem}. Delete it "
+            "(cagrad traces the backward again and writes a new one)."
+        )
+        self.path = path
+        self.problem = problem

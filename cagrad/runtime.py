@@ -25,6 +25,7 @@ from . import interpreter, run_context, saved_variables, segments
 from .accumulate import accumulate_grad
 from .compiler import runtime_objects
 from .counters import counters
+from .cuda_graphs import BorrowedOutputs
 from .walk import Kind
 
 log = logging.getLogger("cagrad")
@@ -45,7 +46,7 @@ def call_whole(entry: Any, tensors: Sequence[torch.Tensor], sizes: list[int]) ->
     with run_context.grad_mode():
         outs = entry.fn(graph_inputs(entry, tensors), sizes, [], [], [])
     entry.calls += 1
-    return list(outs)
+    return outs if isinstance(outs, BorrowedOutputs) else list(outs)
 
 
 def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor]) -> list:
@@ -54,8 +55,16 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
     Args:
         order: the backward's nodes in run order (the leaves' AccumulateGrad
             nodes are read from it by position).
+        outs: the graph's outputs; :class:`~cagrad.cuda_graphs.BorrowedOutputs`
+            (a CUDA graph's, overwritten by its next replay) are never
+            stolen into ``.grad`` and results are cloned.
     """
     traced = entry.traced
+    if isinstance(outs, BorrowedOutputs):
+        # a CUDA graph's outputs: the next replay overwrites them
+        for pos, out_idx in traced.leaf_outputs:
+            accumulate_grad(order[pos].variable, outs[out_idx], False)
+        return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
     stealable = [not a for a in traced.aliases_input]
     seen: set[int] = set()
     for i, out in enumerate(outs):

@@ -91,6 +91,8 @@ class SizeCheck:
         symbol_names: the bound symbols' names (for logs).
         bound_symbols: the bound symbols (sympy), in ``sizes`` order.
         hints: their values at capture.
+        derived_exprs: per ``derived`` entry, its expression (sympy), for
+            :mod:`cagrad.disk_cache`.
     """
 
     expected: list[int]
@@ -103,6 +105,7 @@ class SizeCheck:
     symbol_names: list[str] = dataclasses.field(default_factory=list)
     bound_symbols: list[Any] = dataclasses.field(default_factory=list)
     hints: list[int] = dataclasses.field(default_factory=list)
+    derived_exprs: list[Any] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.static:
@@ -213,6 +216,54 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
         [str(sym) for sym in bound],
         bound,
         hints,
+        [e for _, e in derived_exprs],
+    )
+    check.function = lambda expr: _compile(bound, replace(expr), hints)  # type: ignore[method-assign]
+    return check
+
+
+def rebuilt_check(
+    expected: Sequence[int],
+    static: Sequence[int],
+    symbols: Sequence[Sequence[int]],
+    derived: Sequence[tuple[int, Any]],
+    ranges: Sequence[tuple[float, float]],
+    guard_exprs: Sequence[Any],
+    bound: Sequence[Any],
+    hints: Sequence[int],
+    replace: Callable[[Any], Any],
+) -> SizeCheck:
+    """The check :func:`symbolic_check` built, from its data: ``derived`` as
+    ``(slot, expression)`` and the guards as expressions over ``bound``
+    (used by :mod:`cagrad.disk_cache`).
+
+    ``replace``: the ShapeEnv's ``replace`` that :meth:`SizeCheck.function`
+    applies first, as :func:`symbolic_check`'s does.
+
+    Raises:
+        ValueError: an expression uses a symbol that is not in ``bound``.
+    """
+    bound, hints = list(bound), list(hints)
+    compiled: dict[Any, Callable[..., Any]] = {}  # derived slots repeat expressions (strides)
+
+    def compile_once(e: Any) -> Callable[..., Any]:
+        fn = compiled.get(e)
+        if fn is None:
+            fn = compiled[e] = _compile(bound, e, hints)
+        return fn
+
+    check = SizeCheck(
+        list(expected),
+        list(static),
+        [list(s) for s in symbols],
+        [(slot, compile_once(e)) for slot, e in derived],
+        [tuple(r) for r in ranges],
+        [compile_once(e) for e in guard_exprs],
+        list(guard_exprs),
+        [str(sym) for sym in bound],
+        bound,
+        hints,
+        [e for _, e in derived],
     )
     check.function = lambda expr: _compile(bound, replace(expr), hints)  # type: ignore[method-assign]
     return check

@@ -17,7 +17,12 @@ over a dimension that grew):
 * a variant with the same shapes as an earlier one: no capture;
 * a variant whose backward graph has node types no earlier variant's had
   (``x[0:2]`` is an ``AliasBackward0`` at size 2, a ``SliceBackward0`` at
-  size 5) counts as a new 0/1 pattern;
+  size 5) counts as a new 0/1 pattern; so does one whose size slots (the
+  sizes, strides and offsets cagrad's cache key reads, reported by the
+  subject: :class:`harness.subjects.SizeProbe`) are equal in a way no
+  earlier variant's were (:func:`size_classes`): cagrad duck-sizes (slots
+  of equal value share a symbol, as ``torch.compile`` does), so a batch of
+  4 beside a width of 4, then a batch of 5, costs a capture;
 * ``dynamic=True`` (sizes are symbols from the first capture): a variant
   whose 0/1 pattern an earlier variant had (it differs only in sizes >= 2):
   no capture; a new pattern: at most one;
@@ -39,10 +44,8 @@ weaker rule: shapes seen before, no capture; new shapes, at most one. A
 graph dropped after a failed speculation (cagrad's ``deopts``) allows one
 more capture. So is a graph whose trace recorded guards on its size
 symbols (a ``view`` to constant sizes guards divisibility, say: a new size
-that breaks a guard recaptures, as cagrad documents). What the rule still
-cannot see: sizes equal by chance to a constant of an op (duck sizing binds
-equal sizes to one symbol) may legitimately cost a capture; cagrad's
-``cagrad.verbose`` log says why a backward missed.
+that breaks a guard recaptures, as cagrad documents). Why a backward
+missed: cagrad's ``cagrad.verbose`` log.
 """
 
 from __future__ import annotations
@@ -81,6 +84,19 @@ def pattern(shapes: Shapes) -> Shapes:
     return tuple(tuple(min(int(d), 2) for d in shape) for shape in shapes)
 
 
+def size_classes(values: Sequence[int | None]) -> tuple:
+    """Which of an engine's size slots are equal: per slot, ``None`` (it
+    stays static), ``0`` or ``1`` (specialized), or ``("=", i)`` where ``i``
+    is the first slot with the same value >= 2. Two variants with the same
+    classes bind their sizes to symbols the same way under duck sizing
+    (slots of equal value share one symbol)."""
+    first: dict[int, int] = {}
+    out: list[Any] = []
+    for i, v in enumerate(values):
+        out.append(v if v is None or v < 2 else ("=", first.setdefault(v, i)))
+    return tuple(out)
+
+
 def _flat(shapes: Shapes) -> Sizes:
     return tuple(d for shape in shapes for d in shape)
 
@@ -93,8 +109,9 @@ def allowed_captures(
     the graph keeps some sizes static by design, so only the weaker rule
     holds (new shapes: at most one capture; shapes seen before: none).
     ``graphs``: per variant, what its backward graph is made of (node type
-    names); a variant whose graph no earlier variant had counts as a new
-    0/1 pattern (at most one capture)."""
+    names) and how its size slots bind to symbols (:func:`size_classes`);
+    a variant whose graph no earlier variant had counts as a new 0/1
+    pattern (at most one capture)."""
     if not sequence:
         return []
     graphs = list(graphs) if graphs is not None else [None] * len(sequence)
@@ -164,4 +181,4 @@ def check_captures(
     return None
 
 
-__all__ = ["Shapes", "SizeVariant", "Sizes", "allowed_captures", "check_captures", "pattern"]
+__all__ = ["Shapes", "SizeVariant", "Sizes", "allowed_captures", "check_captures", "pattern", "size_classes"]

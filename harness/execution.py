@@ -43,7 +43,8 @@ class Execution:
             :func:`harness.subjects.counter_deltas`).
         seconds: wall time of build and backward.
         static_sizes: what the subject keeps static by design in this
-            graph (:meth:`harness.subjects.Subject.static_sizes`).
+            graph, and ``size_values`` its size slots' values (see
+            :class:`harness.subjects.SizeProbe`).
         value_dtypes: the floating dtypes of the program's leaves and
             outputs (a grad that flowed through a lower-precision value
             carries its rounding: :func:`harness.runner.judge` compares it
@@ -65,6 +66,7 @@ class Execution:
     fallback_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     static_sizes: list[str] = dataclasses.field(default_factory=list)
+    size_values: tuple[int | None, ...] = ()
     node_types: tuple[str, ...] = ()
     value_dtypes: tuple[torch.dtype, ...] = ()
 
@@ -99,7 +101,8 @@ def execute(
 
     ``reset=False`` keeps the subject's state (its compiled-graph cache)
     from the previous run: the later variants of a size sequence run so.
-    ``probe_sizes`` fills :attr:`Execution.static_sizes` (size sequences)."""
+    ``probe_sizes`` fills :attr:`Execution.static_sizes`, ``size_values``
+    and ``node_types`` (size sequences)."""
     out = Execution()
     phase = "reset"
     start = time.perf_counter()
@@ -114,7 +117,8 @@ def execute(
             synchronize(device)
             phase = "backward"
             if probe_sizes:
-                out.static_sizes = subject.static_sizes(run)
+                probe = subject.size_probe(run)
+                out.static_sizes, out.size_values = probe.static, probe.size_values
                 out.node_types = tuple(sorted(type(n).__name__ for n in graph_nodes(run.outputs)))
             before = subject.counters()
             try:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from harness.capture_rule import SizeVariant, allowed_captures, check_captures
+from harness.capture_rule import SizeVariant, allowed_captures, check_captures, size_classes
 from harness.compare import compare_tensor_lists, compare_trace
 from harness.devices import resolve_devices
 from harness.execution import Execution, execute
@@ -224,7 +224,7 @@ def _run_sequence(
             got = execute(subject, variant.program, device, seed, reset=k == 0, probe_sizes=True)
             judged.append(judge(subject, device, reference, got, policy))
             static.update(got.static_sizes)
-            graphs.append(got.node_types)
+            graphs.append((got.node_types, size_classes(got.size_values)))
         report.outcomes.append(merge_variants(subject, variants, judged, sorted(static), graphs))
 
 
@@ -248,7 +248,8 @@ def merge_variants(
     diverged and the captures break the rule: its weaker form when
     ``static_sizes`` names what keeps sizes static in the graph (written to
     every variant entry as ``static_sizes``). ``graphs``: each variant's
-    backward node types (a variant with a new graph may capture once)."""
+    backward node types and size classes (a variant with a new graph may
+    capture once; :func:`harness.capture_rule.allowed_captures`)."""
     first = judged[0]
     merged = Outcome(subject=first.subject, device=first.device, status=Status.EQUAL)
     for variant, o in zip(variants, judged):

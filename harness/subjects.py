@@ -24,6 +24,7 @@ deltas over the run, so runs do not leak into each other.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,6 +35,27 @@ import torch
 from harness.program import ProgramRun, run_backward
 
 KNOWN_BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeProbe:
+    """What a subject's graph says about sizes, for the capture rule
+    (:mod:`harness.capture_rule`).
+
+    Attributes:
+        static: what in the graph keeps sizes static in this engine by
+            design (names; empty: none): the capture rule is then checked in
+            its weaker form.
+        size_values: the engine's size slots (cagrad: every size, stride
+            and offset its cache key reads, in slot order): the value of
+            each slot that may become a symbol, None for one that stays
+            static; empty when unknown. Slots of equal value share a symbol
+            (duck sizing), so a variant where equal slots come apart, or
+            the reverse, may cost a capture.
+    """
+
+    static: list[str] = dataclasses.field(default_factory=list)
+    size_values: tuple[int | None, ...] = ()
 
 
 class Subject:
@@ -73,12 +95,11 @@ class Subject:
         are only reported (eager, torch's compiled autograd)."""
         return None
 
-    def static_sizes(self, run: ProgramRun) -> list[str]:
-        """What in ``run``'s graph keeps sizes static in this engine by
-        design (node type names; empty: none), so that the capture rule is
-        checked in its weaker form (:mod:`harness.capture_rule`). Called
+    def size_probe(self, run: ProgramRun) -> SizeProbe:
+        """What the capture rule needs to know of ``run``'s graph in this
+        engine (:class:`SizeProbe`; :mod:`harness.capture_rule`). Called
         after the build, before the backward."""
-        return []
+        return SizeProbe()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -147,15 +168,16 @@ class CagradSubject(Subject):
         # cagrad.enable's default is dynamic=True
         return True if self.dynamic is None else self.dynamic
 
-    def static_sizes(self, run: ProgramRun) -> list[str]:
-        """What may cost cagrad captures beyond the rule in ``run``'s graph,
-        by design: generated nodes with ``SymInt`` attributes and no Python
-        formula (``cagrad.formulas``: their sizes stay static), sizes the
-        trace specialized to a constant >= 2 (a C++ node's formula that
-        reads a size as an int), and guards the trace recorded on the
-        symbols (a new size that breaks one recaptures), found by tracing
-        the backward with ``cagrad.capture(..., dynamic=True)`` (nothing
-        runs; a backward cagrad cannot compile gives none)."""
+    def size_probe(self, run: ProgramRun) -> SizeProbe:
+        """Traces the backward with ``cagrad.capture(..., dynamic=True)``
+        (nothing runs) and reports its size slots' values
+        (:attr:`SizeProbe.size_values`) and what may cost captures beyond
+        the rule by design (:attr:`SizeProbe.static`): generated nodes with
+        ``SymInt`` attributes and no Python formula (``cagrad.formulas``:
+        their sizes stay static), sizes the trace specialized to a constant
+        >= 2 (a C++ node's formula that reads a size as an int), and guards
+        the trace recorded on the symbols (a new size that breaks one
+        recaptures). A backward cagrad cannot compile gives no values."""
         import operator
 
         cagrad = self._cagrad()
@@ -169,9 +191,10 @@ class CagradSubject(Subject):
                 found.add(schema.name)
         try:
             inputs = run.inputs if run.mode == "grad" else None
-            graph = cagrad.capture(run.outputs, run.grad_outputs, inputs, dynamic=True).graph_module.graph
+            captured = cagrad.capture(run.outputs, run.grad_outputs, inputs, dynamic=True)
         except Exception:  # noqa: BLE001 - unsupported: it falls back, nothing is captured
-            return sorted(found)
+            return SizeProbe(sorted(found))
+        graph = captured.graph_module.graph
         shape_env = None
         for n in graph.nodes:
             val = n.meta.get("val")
@@ -185,7 +208,7 @@ class CagradSubject(Subject):
             guards = [g for g in guards if not (g.is_number or g == True)]  # noqa: E712 - sympy.true
             if guards:
                 found.add(f"{len(guards)} guard(s) on sizes, e.g. {guards[0]}")
-        return sorted(found)
+        return SizeProbe(sorted(found), tuple(captured.size_values))
 
     def counters(self) -> dict[str, Any]:
         counters: Mapping[str, Any] = self._cagrad().counters

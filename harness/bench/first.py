@@ -37,7 +37,8 @@ class FirstCell:
         trace_s / compile_s: cagrad only: of that, tracing and the backend
             compile (s), summed over the captures it made.
         nodes: autograd nodes in the backward.
-        counters: cagrad's captures and fallbacks (with reasons).
+        counters: cagrad's captures, fallbacks (with reasons) and
+            ``disk_hits`` (captures loaded from its cache directory).
         error: what went wrong, if the cell could not be measured.
     """
 
@@ -129,7 +130,7 @@ def _child(cell: dict[str, Any]) -> FirstCell:
         out.trace_s = sum(c.trace_s for c in captures)
         out.compile_s = sum(c.compile_s for c in captures)
         snap = cagrad.counters.snapshot()
-        out.counters = {k: snap[k] for k in ("captures", "fallbacks")}
+        out.counters = {k: snap[k] for k in ("captures", "fallbacks", "disk_hits")}
         if snap["fallbacks"]:
             out.counters["fallback_reasons"] = snap["fallback_reasons"]
     return out

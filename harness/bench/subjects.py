@@ -27,26 +27,29 @@ class Subject:
         wrap: model -> the callable the forward uses.
         context: () -> context manager around each backward, or None.
         is_cagrad: cagrad's counters and overhead apply.
+        cuda_only: CUDA graphs (``mode="reduce-overhead"``): left out of the
+            default subjects on CPU.
     """
 
     wrap: Callable[[Any], Any]
     context: Callable[[], Any] | None
     is_cagrad: bool = False
+    cuda_only: bool = False
 
 
 def _same(model: Any) -> Any:
     return model
 
 
-def _torch_ca(backend: str) -> Callable[[], Any]:
+def _torch_ca(backend: str, mode: str | None = None) -> Callable[[], Any]:
     from torch._dynamo import compiled_autograd
 
-    compiler_fn = functools.partial(torch.compile, backend=backend, fullgraph=True)
+    compiler_fn = functools.partial(torch.compile, backend=backend, fullgraph=True, mode=mode)
     return lambda: compiled_autograd._enable(compiler_fn)
 
 
-def _cagrad(backend: str) -> Callable[[], Any]:
-    return lambda: cagrad.enable(backend)
+def _cagrad(backend: str, mode: str | None = None) -> Callable[[], Any]:
+    return lambda: cagrad.enable(backend, mode=mode)
 
 
 SUBJECTS: dict[str, Subject] = {
@@ -56,6 +59,8 @@ SUBJECTS: dict[str, Subject] = {
     "torch_ca[inductor]": Subject(_same, _torch_ca("inductor")),
     "cagrad[eager]": Subject(_same, _cagrad("eager"), True),
     "cagrad[inductor]": Subject(_same, _cagrad("inductor"), True),
+    "torch_ca[inductor,reduce-overhead]": Subject(_same, _torch_ca("inductor", "reduce-overhead"), cuda_only=True),
+    "cagrad[inductor,reduce-overhead]": Subject(_same, _cagrad("inductor", "reduce-overhead"), True, True),
 }
 
 

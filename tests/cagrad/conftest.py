@@ -7,8 +7,11 @@ import cagrad
 
 
 @pytest.fixture(autouse=True)
-def fresh_cagrad():
-    """Every core test starts with an empty cache and zero counters."""
+def fresh_cagrad(monkeypatch):
+    """Every core test starts with an empty cache and zero counters, and no
+    disk cache unless it asks for one (a ``CAGRAD_CACHE_DIR`` in the
+    environment would turn captures into disk hits across tests)."""
+    monkeypatch.delenv("CAGRAD_CACHE_DIR", raising=False)
     cagrad.reset()
     torch.manual_seed(0)
     yield

@@ -180,3 +180,34 @@ def test_matches_torch_compiled_autograd_capture_counts():
     with cagrad.enable("eager", dynamic=False):
         _train(model, BATCHES, _mlp_batch, lambda loss: loss.backward())
     assert torch_captures == cagrad.counters["captures"] == 2
+
+
+def test_duck_sized_equal_sizes_split_once_then_every_size_hits():
+    """``dynamic=True`` duck-sizes: sizes equal at capture share a symbol
+    (the batch of 8 and the layer width of 8 here). A batch that differs
+    from the width recaptures once with the batch on a symbol of its own;
+    from then on every batch, the width's value included, is a hit, and
+    every step's gradients are eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    batches = [8, 5, 6, 8, 11]
+
+    def step(m, n, backward):
+        torch.manual_seed(n)
+        m.zero_grad(set_to_none=True)
+        backward(m(torch.randn(n, 8)).square().mean())
+        return [p.grad.clone() for p in m.parameters()]
+
+    def compiled(loss):
+        with cagrad.enable("eager", dynamic=True):
+            loss.backward()
+
+    for n in batches:
+        expected = step(model, n, lambda loss: loss.backward())
+        for e, a in zip(expected, step(twin, n, compiled)):
+            same(e, a)
+    assert cagrad.counters["captures"] == 2
+    assert cagrad.counters["recompiles_shape"] == 1
+    assert cagrad.counters["cache_hits"] == len(batches) - 2
+    assert cagrad.counters["fallbacks"] == 0

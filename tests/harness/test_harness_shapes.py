@@ -4,12 +4,13 @@ reported for cagrad and torch's compiled autograd, cagrad's checked by the rule.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 import harness
-from harness.capture_rule import SizeVariant, allowed_captures, check_captures, pattern
+from harness.capture_rule import SizeVariant, allowed_captures, check_captures, pattern, size_classes
 from harness.program import CallableProgram, ProgramRun
 from tests.fuzz.broken_subject import ForgetfulCagrad
 
@@ -180,7 +181,8 @@ def test_sizes_kept_static_by_design_are_not_a_rule_failure() -> None:
     report = harness.run_differential(ProdSequence(2, 3, 2), ["cagrad[eager]", "torch_ca[eager]"], ["cpu"])
     assert report.ok, report.summary()
     o = report.outcome("cagrad[eager]")
-    assert "sizes[2] specialized to 2" in o.variants[0]["static_sizes"]
+    # ProdBackward1's C++ formula reads the batch as an int: the graph holds it as the constant 2
+    assert any(re.fullmatch(r"sizes\[\d+\] specialized to 2", s) for s in o.variants[0]["static_sizes"])
     assert o.captures_per_variant == [1, 1, 0]  # 3 recaptures, back at 2 hits
     assert [v["allowed_captures"] for v in o.variants] == [1, 1, 0]
     assert report.outcome("torch_ca[eager]").captures_per_variant[0] == 1
@@ -220,3 +222,25 @@ def test_a_size_that_changes_the_graph_is_not_a_rule_failure() -> None:
     o = report.outcome("cagrad[eager]")
     assert [v["allowed_captures"] for v in o.variants] == [1, 1, 0]
     assert o.captures_per_variant == [1, 1, 0]
+
+
+# ------------------------------------------------ duck sizing and the rule
+def test_size_classes_name_the_first_slot_of_each_value() -> None:
+    assert size_classes([4, 4, None, 1, 5, 4, 0]) == (("=", 0), ("=", 0), None, 1, ("=", 4), ("=", 0), 0)
+    assert size_classes([5, 6]) != size_classes([5, 5])
+
+
+def test_a_batch_equal_to_a_width_by_chance_costs_one_capture() -> None:
+    """``mm(x[b, 3], w[3, 5])`` at batches 5, 6, 9, 5: at 5 the batch equals
+    ``w``'s width, so cagrad's first graph binds both to one symbol (duck
+    sizing); 6 separates them (one capture), 9 and 5 again hit a graph
+    already made (derived by hand). The rule allows the capture at 6 only
+    because the subject reports its size slots: on program shapes alone
+    (each variant's graph the same) it would be a failure."""
+    report = harness.run_differential(MmSumSequence(5, 6, 9, 5), ["cagrad[eager]"], ["cpu"])
+    assert report.ok, report.summary()
+    o = report.outcome("cagrad[eager]")
+    assert o.captures_per_variant == [1, 1, 0, 0]
+    assert [v["allowed_captures"] for v in o.variants] == [1, 1, 0, 0]
+    shapes = [v.rule_shapes() for v in MmSumSequence(5, 6, 9, 5).size_variants()]
+    assert check_captures([1, 1, 0, 0], shapes, True) is not None

@@ -1,0 +1,172 @@
+"""CUDA graphs for whole-graph compiled backwards (``mode="reduce-overhead"``).
+
+A compiled backward launches one kernel per fused op; replaying it as a
+CUDA graph launches them all with one call, which is where a backward of many
+small kernels spends its time. :class:`CudaGraphed` wraps a compiled
+whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
+
+* the first call at a new tuple of ``sizes`` runs ``fn`` as it is (a warm-up:
+  the backend compiles or autotunes lazily on a first call, which a capture
+  cannot contain); the second records it into a ``torch.cuda.CUDAGraph``
+  (its own memory pool) and replays it; later calls at those sizes replay;
+* inputs that are leaves requiring grad (parameters) are read in place: the
+  graph is recorded on their addresses, and a call where one has moved
+  records a graph of its own. Every other input (saved activations, the
+  root gradients) is copied into a buffer the graph owns before each replay;
+* outputs live in the graph's pool and are overwritten by the next replay,
+  so they are *borrowed* (:class:`BorrowedOutputs`): the caller copies each
+  before the next backward (:func:`cagrad.runtime.finish_whole` accumulates
+  them without stealing and clones ``autograd.grad`` results).
+
+Where a graph would not be safe the call runs ``fn`` directly, and the
+reason is logged once per entry and counted in
+``cagrad.counters["cudagraph_skips"]`` and ``["cudagraph_skip_reasons"]``: an input not on CUDA (a graph cannot read host
+memory on replay), more than :data:`MAX_GRAPHS` graphs for one entry (sizes
+that keep changing; one graph per tuple of sizes and parameter addresses),
+or a capture that raised (an op that synchronizes with the host, say).
+Backwards that are cut into segments by opaque calls, and ``create_graph``
+backwards, are never wrapped (:func:`unsafe_reason`).
+
+This follows the recipe of PyTorch's CUDA graph documentation ("CUDA
+Graphs" in the CUDA semantics notes: warm up, capture with static inputs,
+copy new data into them, replay) with the static-input split that
+``torch.compile(mode="reduce-overhead")`` makes for parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .counters import counters
+
+log = logging.getLogger("cagrad.cuda_graphs")
+
+MAX_GRAPHS = 8
+"""Most CUDA graphs one compiled backward records (per tuple of sizes and
+parameter addresses); beyond it, calls run without a graph."""
+
+MODES = (None, "default", "reduce-overhead")
+
+
+def check_mode(mode: str | None) -> bool:
+    """True when ``mode`` asks for CUDA graphs.
+
+    Raises:
+        ValueError: for a mode other than None, ``"default"`` and
+            ``"reduce-overhead"``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"cagrad: unknown mode {mode!r}; expected one of {MODES}")
+    return mode == "reduce-overhead"
+
+
+class BorrowedOutputs(list):
+    """The outputs of a CUDA graph replay: valid until the next replay of the
+    same graph, so the caller copies what it keeps."""
+
+
+def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
+    """Why a captured backward must not be wrapped at all, or None.
+
+    Args:
+        traced: the capture (:class:`cagrad.compiler.Traced`).
+        create_graph: the backward builds a graph of its own (its outputs
+            require grad; a replay records no autograd history).
+    """
+    if create_graph:
+        return "create_graph"
+    if traced.has_opaque_calls:
+        return "opaque_segments"
+    return None
+
+
+class _Recorded:
+    __slots__ = ("graph", "buffers", "static", "outputs")
+
+    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list) -> None:
+        self.graph = graph
+        self.buffers = buffers  # per input: the tensor the graph reads
+        self.static = static  # per input: read in place (a parameter)
+        self.outputs = outputs
+
+
+class CudaGraphed:
+    """``fn`` replayed as CUDA graphs, one per tuple of sizes and parameter
+    addresses (see the module docstring).
+
+    Called like ``fn``: ``(inputs, sizes, scalars, hooks, packed_inputs)``,
+    lists; ``inputs`` are tensors (CUDA for a replay), ``sizes`` ints. Returns
+    ``fn``'s outputs: a :class:`BorrowedOutputs` after a replay, a plain
+    list otherwise. Exceptions of ``fn`` itself pass through.
+    """
+
+    __slots__ = ("fn", "graphs", "seen", "disabled")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.graphs: dict[tuple, _Recorded] = {}
+        self.seen: set[tuple] = set()  # keys called once (warmed up)
+        self.disabled: str | None = None
+
+    def _disable(self, reason: str) -> None:
+        if self.disabled is None:
+            log.info("cagrad: compiled backward runs without CUDA graphs: %s", reason)
+        self.disabled = reason
+
+    def __call__(self, inputs: list, sizes: list, scalars: list, hooks: list, packed: list) -> list:
+        if self.disabled is not None:
+            counters.record_cudagraph_skip(self.disabled.split(":")[0])
+            return list(self.fn(inputs, sizes, scalars, hooks, packed))
+        if scalars or hooks or packed:
+            self._disable("inputs_beyond_tensors_and_sizes")
+            return self(inputs, sizes, scalars, hooks, packed)
+        if any(not t.is_cuda for t in inputs):
+            self._disable("cpu_input")
+            return self(inputs, sizes, scalars, hooks, packed)
+        static = [t.is_leaf and t.requires_grad for t in inputs]
+        key = (tuple(sizes), tuple(t.data_ptr() if s else None for t, s in zip(inputs, static)))
+        recorded = self.graphs.get(key)
+        if recorded is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return list(self.fn(inputs, sizes, scalars, hooks, packed))
+            if len(self.graphs) >= MAX_GRAPHS:
+                counters.record_cudagraph_skip("too_many_graphs")
+                return list(self.fn(inputs, sizes, scalars, hooks, packed))
+            try:
+                recorded = self._record(inputs, sizes, static)
+            except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
+                self._disable(f"capture_failed: {type(e).__name__}: {e}")
+                return self(inputs, sizes, scalars, hooks, packed)
+            self.graphs[key] = recorded
+        else:
+            for t, buf, s in zip(inputs, recorded.buffers, recorded.static):
+                if not s:
+                    buf.copy_(t)
+        recorded.graph.replay()
+        counters.bump("cudagraph_replays")
+        return BorrowedOutputs(recorded.outputs)
+
+    def _record(self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool]) -> _Recorded:
+        buffers = []
+        for t, s in zip(inputs, static):
+            if s:
+                buffers.append(t)
+            else:
+                buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+                buf.copy_(t)
+                buffers.append(buf)
+        graph = torch.cuda.CUDAGraph()
+        # the capture runs on a side stream; wait for the copies above
+        torch.cuda.current_stream().synchronize()
+        with torch.cuda.graph(graph):
+            outputs = list(self.fn(list(buffers), list(sizes), [], [], []))
+        counters.bump("cudagraph_records")
+        return _Recorded(graph, buffers, static, outputs)
+
+
+__all__ = ["MAX_GRAPHS", "BorrowedOutputs", "CudaGraphed", "check_mode", "unsafe_reason"]

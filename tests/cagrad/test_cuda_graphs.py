@@ -1,0 +1,165 @@
+"""``cagrad.enable(..., mode="reduce-overhead")``: compiled backwards replayed
+as CUDA graphs, gradients compared with eager autograd's at every step.
+
+The CPU tests check what must not become a graph (and that it is counted);
+the CUDA ones (skipped without a GPU) check replays against eager across
+optimizer steps, size changes, moved parameters and ``autograd.grad`` results
+kept across replays."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cagrad
+from cagrad import cuda_graphs
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    cagrad.reset()
+    yield
+    cagrad.reset()
+
+
+def _mlp(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
+
+
+def _grads(model: nn.Module, x: torch.Tensor, backward) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    backward(model(x).square().mean())
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _eager_and_graphed(device: str, batches, steps_per_batch: int = 1, lr: float = 0.1):
+    """Trains an MLP and its copy with SGD, the copy's backward under
+    reduce-overhead; yields both gradient lists per step."""
+    ref = _mlp(device)
+    twin = copy.deepcopy(ref)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, twin)]
+    for n in batches:
+        for _ in range(steps_per_batch):
+            x = torch.randn(n, 8, device=device)
+            expected = _grads(ref, x, lambda loss: loss.backward())
+
+            def graphed(loss):
+                with cagrad.enable("eager", mode="reduce-overhead"):
+                    loss.backward()
+
+            got = _grads(twin, x, graphed)
+            yield expected, got
+            for opt in opts:
+                opt.step()
+
+
+def test_an_unknown_mode_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="unknown mode 'max-speed'"):
+        cagrad.enable("eager", mode="max-speed")
+
+
+def test_cpu_tensors_run_without_a_graph_and_say_why() -> None:
+    for expected, got in _eager_and_graphed("cpu", [4, 4, 4]):
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e)
+    assert cagrad.counters["cudagraph_replays"] == 0
+    assert cagrad.counters["cudagraph_skip_reasons"]["cpu_input"] >= 1
+    assert cagrad.counters["fallbacks"] == 0
+
+
+def test_a_backward_with_a_hook_is_not_wrapped() -> None:
+    """A tensor hook is an opaque call: the backward runs in segments, which
+    are never replayed as one graph."""
+    model = _mlp("cpu")
+    x = torch.randn(4, 8)
+    h = model[0](x)
+    h.register_hook(lambda g: g * 2)
+    with cagrad.enable("eager", mode="reduce-overhead"):
+        model[2](torch.tanh(h)).sum().backward()
+    assert cagrad.counters["cudagraph_skip_reasons"] == {"opaque_segments": 1}
+
+
+def test_create_graph_is_not_wrapped() -> None:
+    x = torch.randn(5, requires_grad=True)
+    with cagrad.enable("eager", mode="reduce-overhead"):
+        (g,) = torch.autograd.grad(x.sin().sum(), x, create_graph=True)
+    torch.testing.assert_close(g, x.cos())
+    assert g.requires_grad
+    assert cagrad.counters["cudagraph_skip_reasons"] == {"create_graph": 1}
+
+
+def test_modes_keep_separate_caches() -> None:
+    """The same backward under mode=None and "reduce-overhead" is captured
+    once per mode (an entry compiled for one is not reused by the other)."""
+    model = _mlp("cpu")
+    x = torch.randn(4, 8)
+    for mode in (None, "reduce-overhead", None, "reduce-overhead"):
+        with cagrad.enable("eager", mode=mode):
+            model(x).sum().backward()
+    assert cagrad.counters["captures"] == 2
+    assert cagrad.counters["cache_hits"] == 2
+
+
+@cuda
+def test_replays_match_eager_across_optimizer_steps() -> None:
+    """Parameters change in place every step (read in place by the graph);
+    the activations are new tensors every step (copied in)."""
+    for expected, got in _eager_and_graphed("cuda", [16], steps_per_batch=6):
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e)
+    # step 1 captures, compiles and runs the graph as it is (the warm-up);
+    # step 2 records and replays; steps 3-6 replay
+    assert cagrad.counters["cudagraph_records"] == 1
+    assert cagrad.counters["cudagraph_replays"] == 5
+    assert cagrad.counters["fallbacks"] == 0
+
+
+@cuda
+def test_one_graph_per_batch_size_and_a_bound() -> None:
+    batches = [4, 5] * 3 + list(range(6, 6 + cuda_graphs.MAX_GRAPHS + 2)) * 2
+    for expected, got in _eager_and_graphed("cuda", batches):
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e)
+    assert cagrad.counters["cudagraph_records"] == cuda_graphs.MAX_GRAPHS
+    assert cagrad.counters["cudagraph_skip_reasons"]["too_many_graphs"] >= 1
+
+
+@cuda
+def test_grad_results_survive_the_next_replay() -> None:
+    """``autograd.grad`` results are copies: a later replay (other inputs)
+    must not change a result the caller kept."""
+    w = torch.randn(6, 6, device="cuda", requires_grad=True)
+    kept = []
+    for k in range(5):
+        x = torch.randn(6, 6, device="cuda") + k
+        with cagrad.enable("eager", mode="reduce-overhead"):
+            (g,) = torch.autograd.grad((x @ w).square().sum(), w)
+        kept.append((x, g))
+    assert cagrad.counters["cudagraph_replays"] >= 2
+    for x, g in kept:
+        (expected,) = torch.autograd.grad((x @ w).square().sum(), w)
+        torch.testing.assert_close(g, expected)
+
+
+@cuda
+def test_new_parameters_at_other_addresses_get_graphs_of_their_own() -> None:
+    """A fresh model each step (same shapes): the graph recorded on the old
+    parameters' addresses must not read them for the new ones."""
+    for k in range(4):
+        torch.manual_seed(k)
+        model = nn.Linear(8, 8).cuda()
+        x = torch.randn(4, 8, device="cuda")
+        expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        model.zero_grad(set_to_none=True)
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with cagrad.enable("eager", mode="reduce-overhead"):
+                model(x).square().sum().backward()
+            for p, e in zip(model.parameters(), expected):
+                torch.testing.assert_close(p.grad, e)
