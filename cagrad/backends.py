@@ -82,7 +82,7 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
         backend = lookup_backend(compiler_fn)
 
         def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
-            compiled = direct_compile.compile_graph(backend, gm)
+            compiled = direct_compile.compile_graph(backend, gm, compiler_fn)
             counters.bump("backend_compiles")
             if compiled is None:
                 counters.bump("dynamo_compiles")

@@ -271,11 +271,18 @@ def run(
             direct_compile.check_global_state(entry.state)
         fresh = node.guard is None and entry.segmented is None
         graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
+        early_release = False
         if entry.segmented is None:
             first_run = entry.calls == 0
+            # a first run may still fall back to eager, which needs the saved tensors
+            early_release = not first_run and not fresh and not call.keep_graph
+            if early_release:
+                runtime.release_lifted(collected)
             try:
                 with events.running():
-                    outs = runtime.call_whole(entry, collected.collector.args.tensors, graph_sizes)
+                    outs = runtime.call_whole(
+                        entry, collected.collector.args.tensors, graph_sizes, hand_over=early_release
+                    )
             except Exception as e:
                 if not first_run:
                     raise
@@ -305,7 +312,7 @@ def run(
         if entry.deopts != deopts:
             _respeculate(node, entry)
     if not call.keep_graph:
-        runtime.release(collected)
+        runtime.release(collected, lifted=not early_release)
     if call.accumulate_grad:
         return None
     runtime.check_unused(result, call.allow_unreachable)
@@ -350,12 +357,13 @@ def _run_guarded(
     counters.bump("cache_hits")
     counters.bump("guard_hits")
     graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
-    with events.running():
-        outs = runtime.call_whole(entry, hit.tensors, graph_sizes)
-    runtime.finish_whole(entry, hit.order, outs)
     if not call.keep_graph:
+        # the graph holds the lifted tensors from here on (cagrad.boxed)
         order = hit.order
         runtime.release_slots([(order[pos], attr, index) for pos, attr, index in guard.release_slots])
+    with events.running():
+        outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
+    runtime.finish_whole(entry, hit.order, outs)
     return None
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.fx
 
 from . import run_context
+from .boxed import compile_boxed
 from .errors import Unsupported
 
 
@@ -200,10 +201,17 @@ class DirectCompiled:
             the graph's size inputs).
     """
 
-    __slots__ = ("fn", "getters", "symbols")
+    __slots__ = ("boxed", "fn", "getters", "symbols")
 
-    def __init__(self, fn: Callable[..., Any], reads: Sequence[tuple[str, int]], symbols: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        reads: Sequence[tuple[str, int]],
+        symbols: Sequence[Any],
+        boxed: bool = False,
+    ) -> None:
         self.fn = fn
+        self.boxed = boxed
         slot = {"inputs": 0, "sizes": 1, "scalars": 2, "hooks": 3, "packed_inputs": 4}
         self.getters = [(slot[name], i) for name, i in reads]
         self.symbols = list(symbols)
@@ -216,10 +224,19 @@ class DirectCompiled:
             self.getters[first + k] = (1, index_of(sym))
 
     def __call__(self, *lists: Any) -> Any:
-        return self.fn(*[lists[k][i] for k, i in self.getters])
+        args = [lists[k][i] for k, i in self.getters]
+        if not self.boxed:
+            return self.fn(*args)
+        # the caller hands its inputs list over (see cagrad.boxed): emptied
+        # here, the boxed fn holds the only references and frees each input
+        # after its last use
+        lists[0].clear()
+        return self.fn(args)
 
 
-def compile_graph(backend: Callable[..., Any], gm: torch.fx.GraphModule) -> DirectCompiled | None:
+def compile_graph(
+    backend: Callable[..., Any], gm: torch.fx.GraphModule, name: str | None = None
+) -> DirectCompiled | None:
     """Compiles ``gm`` with a Dynamo backend callable, without Dynamo.
 
     Call it under the grad mode the graph will run in (AOTAutograd decides
@@ -229,9 +246,12 @@ def compile_graph(backend: Callable[..., Any], gm: torch.fx.GraphModule) -> Dire
     Args:
         backend: ``torch._dynamo.backends.registry.lookup_backend(name)``.
         gm: a captured graph with no opaque calls (see :func:`flat_graph`).
+        name: the backend's registered name; ``"eager"``, ``"aot_eager"``
+            and ``"inductor"`` compile boxed (:mod:`cagrad.boxed`).
 
     Returns:
-        the compiled graph, called like ``gm``; None when it must go through
+        the compiled graph, called like ``gm`` (a boxed one empties the
+        ``inputs`` list it is given); None when it must go through
         Dynamo instead, which guards what cagrad does not know here (see
         :func:`example_inputs`).
     """
@@ -248,8 +268,8 @@ def compile_graph(backend: Callable[..., Any], gm: torch.fx.GraphModule) -> Dire
 
         fake_mode = FakeTensorMode()
     with tracing(TracingContext(fake_mode)):
-        fn = backend(flat, examples)
-    return DirectCompiled(fn, reads, symbols)
+        fn, boxed = compile_boxed(backend, name, flat, examples)
+    return DirectCompiled(fn, reads, symbols, boxed)
 
 
 def link_all(compiled: Sequence[Any], traced: Any) -> None:

@@ -41,10 +41,24 @@ def graph_inputs(entry: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tens
     return [tensors[i] for i in entry.traced.input_indices]
 
 
-def call_whole(entry: Any, tensors: Sequence[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
-    """Calls a whole-graph compiled backward on the lifted ``tensors`` and ``sizes``."""
+def call_whole(
+    entry: Any, tensors: list[torch.Tensor], sizes: list[int], hand_over: bool = False
+) -> list[torch.Tensor]:
+    """Calls a whole-graph compiled backward on the lifted ``tensors`` and ``sizes``.
+
+    Args:
+        hand_over: the caller has released the saved tensors and needs
+            ``tensors`` no more: it is emptied, so that a boxed graph
+            (:mod:`cagrad.boxed`) holds the only references and frees each
+            input after its last use, as eager frees a node's saved tensors
+            once the node has run.
+    """
+    inputs = graph_inputs(entry, tensors)
+    if hand_over:
+        tensors.clear()
     with run_context.grad_mode():
-        outs = entry.fn(graph_inputs(entry, tensors), sizes, [], [], [])
+        outs = entry.fn(inputs, sizes, [], [], [])
+    del inputs
     entry.calls += 1
     return outs if isinstance(outs, BorrowedOutputs) else list(outs)
 
@@ -136,9 +150,15 @@ def _defined(value: Any, free: bool) -> Any:
     return value is not None
 
 
-def release(collected: Any) -> None:
-    """Frees the saved tensors of every node that ran, as eager does."""
-    release_slots(collected.collector.args.slots)
+def release(collected: Any, lifted: bool = True) -> None:
+    """Frees the saved tensors of every node that ran, as eager does.
+
+    Args:
+        lifted: also the slots whose tensors the graph read as inputs
+            (False when :func:`release_lifted` freed them before the call).
+    """
+    if lifted:
+        release_lifted(collected)
     plans = collected.collector.plans
     position = {id(call): pos for pos, call in enumerate(collected.task.order)}
     for call in collected.collector.releases:
@@ -148,6 +168,12 @@ def release(collected: Any) -> None:
         else:
             schema = call.schema
             saved_variables.release_node(call.node, schema.tensors, schema.tensor_lists)
+
+
+def release_lifted(collected: Any) -> None:
+    """Frees the saved-tensor slots whose tensors the graph reads as inputs
+    (it holds them itself from then on)."""
+    release_slots(collected.collector.args.slots)
 
 
 def release_slots(slots: Sequence[Any]) -> None:

@@ -405,7 +405,8 @@ def run(
                 log.warning("cagrad: a graph segment failed to compile; running it uncompiled (%s: %s)", type(e).__name__, e)
                 counters.bump("segment_compile_failures")
                 step.fn = step.graph_module
-                outs = step.fn(args, sizes, [], [], [])
+                # a boxed fn may have emptied args
+                outs = step.fn([env[n] for n in step.in_names], sizes, [], [], [])
             step.calls += 1
             env.update(zip(step.out_names, outs))
             continue

@@ -62,10 +62,10 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
     calls: list[float] = []
     real_call = runtime.call_whole
 
-    def timed_call(*args: Any) -> Any:
+    def timed_call(*args: Any, **kwargs: Any) -> Any:
         _sync(device)
         start = time.perf_counter()
-        out = real_call(*args)
+        out = real_call(*args, **kwargs)
         _sync(device)
         calls.append(time.perf_counter() - start)
         return out

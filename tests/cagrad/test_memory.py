@@ -57,3 +57,90 @@ def test_eager_reference_frees_too():
     x, y, ref = _graph_with_saved_activation()
     y.backward()
     assert ref.expired()
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    return torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+
+
+def _step(lin1, lin2, x):
+    """A loss whose saved activation ``h`` (saved by ``sin``) is needed
+    only in the middle of the backward; returns it and ``h``'s weak ref."""
+    h = lin1(x)
+    ref = StorageWeakRef(h.untyped_storage())
+    loss = lin2(h.sin()).square().sum()
+    del h
+    return loss, ref
+
+
+def _grads(lin1, lin2):
+    return [p.grad.clone() for p in (*lin1.parameters(), *lin2.parameters())]
+
+
+def test_eager_frees_a_saved_activation_before_the_backward_ends():
+    """The oracle for the next test: eager frees ``h`` once SinBackward0
+    has run, before the first layer's AccumulateGrad runs."""
+    lin1, lin2 = _two_layers()
+    seen = []
+    lin1.weight.register_post_accumulate_grad_hook(lambda p: seen.append(ref.expired()))
+    loss, ref = _step(lin1, lin2, torch.randn(16, 32))
+    loss.backward()
+    assert seen == [True]
+
+
+def _in_graph(frame) -> bool:
+    """Whether ``frame`` runs a compiled graph's code: an FX GraphModule's
+    generated ``forward`` (the eager backend) or inductor's output code."""
+    name = frame.f_code.co_filename
+    return name.startswith("<eval_with_key>") or "torchinductor" in name
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+@pytest.mark.parametrize("guarded", [True, False], ids=["guard_hit", "full_path_hit"])
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_graph_frees_saved_activation_while_it_runs(backend, guarded, device, monkeypatch):
+    """On a cache hit without retain_graph the graph holds the only
+    reference to each saved tensor it reads and frees it after its last use
+    (cagrad.boxed), as eager frees it after SinBackward0: every call the
+    graph's code makes is watched (``sys.setprofile``), and ``h`` must be
+    alive at the first and gone at the last. The gradients are eager's."""
+    import gc
+    import sys
+
+    from cagrad import compiled_backward
+
+    gc.collect()  # hooks of earlier tests' dead graphs would keep guards off (cagrad.hit_path)
+
+    alive_at_call: list[bool] = []
+
+    def watch(frame, event, _arg):
+        caller = frame if event == "c_call" else frame.f_back if event == "call" else None
+        if caller is not None and _in_graph(caller):
+            alive_at_call.append(not ref.expired())
+
+    xs = [torch.randn(16, 32, device=device) for _ in range(2)]
+    lin1, lin2 = (m.to(device) for m in _two_layers())
+    with cagrad.enable(backend):
+        loss, ref = _step(lin1, lin2, xs[0])
+        loss.backward()  # capture and first run: released after the call
+        if not guarded:
+            monkeypatch.setattr(compiled_backward.hit_path, "eligible_call", lambda call: False)
+        lin1.zero_grad(set_to_none=True)
+        lin2.zero_grad(set_to_none=True)
+        loss, ref = _step(lin1, lin2, xs[1])
+        sys.setprofile(watch)
+        try:
+            loss.backward()
+        finally:
+            sys.setprofile(None)
+    assert cagrad.counters["cache_hits"] == 1
+    assert cagrad.counters["guard_hits"] == (1 if guarded else 0)
+    assert alive_at_call[0], "the saved activation was gone before the graph ran"
+    assert not alive_at_call[-1], "the saved activation outlived its last use in the graph"
+    lin1_eager, lin2_eager = (m.to(device) for m in _two_layers())
+    _step(lin1_eager, lin2_eager, xs[1])[0].backward()
+    torch.testing.assert_close(_grads(lin1, lin2), _grads(lin1_eager, lin2_eager))
