@@ -327,9 +327,40 @@ static PyObject* counts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// release(nodes): Node::release_variables() on each node (None skipped), as
+// the engine does after running a node without keep_graph.
+static PyObject* release(PyObject*, PyObject* nodes) {
+  PyObject* fast = PySequence_Fast(nodes, "release() expects a sequence of autograd nodes");
+  if (fast == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (items[i] == Py_None) {
+      continue;
+    }
+    Node* node = node_of(items[i]);
+    if (node == nullptr) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    try {
+      node->release_variables();
+    } catch (const std::exception& e) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  Py_DECREF(fast);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS, nullptr},
     {"counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(counts)), METH_FASTCALL, nullptr},
+    {"release", release, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};
@@ -447,6 +478,7 @@ def build(name: str, source: str, defines: tuple[str, ...] = ()) -> Any:
 
 _lock = threading.Lock()
 _counts: Any = None  # the C++ counts function once built; False: unavailable
+_release: Any = None  # the C++ release function once built; None: unavailable
 _enabled = True
 
 
@@ -463,6 +495,25 @@ def counts_fn() -> Any:
     return _counts or None
 
 
+def release_fn() -> Any:
+    """The C++ ``release(nodes)`` of the same extension: each node's
+    ``Node::release_variables()`` (None items skipped), what the engine
+    calls after running a node without ``retain_graph`` (``call_function``
+    in ``torch/csrc/autograd/engine.cpp``), about 20 ns a node. Built on
+    first call, with hook detection on or off; None if it cannot be built
+    (:mod:`cagrad.saved_variables` then releases slot by slot in Python).
+
+    Raises (the returned function):
+        TypeError: an item is not an autograd node.
+    """
+    global _counts
+    if _counts is None:
+        with _lock:
+            if _counts is None:
+                _counts = _load()
+    return _release
+
+
 def _load(full_headers: bool | None = None) -> Any:
     if full_headers is None:
         why = _layout_ok()
@@ -473,6 +524,7 @@ def _load(full_headers: bool | None = None) -> Any:
         module = build(_NAME, _SOURCE, ("-DCAGRAD_FULL_HEADERS",) if full_headers else ())
         module.init(torch._C._FunctionBase, torch._C._FunctionBase.__basicsize__ - 8)
         _self_test(module.counts)
+        _self_test_release(module.release)
     except Exception as e:  # noqa: BLE001  (no compiler, a compile or load error)
         detail = getattr(e, "stderr", None) or e
         log.warning(
@@ -482,6 +534,8 @@ def _load(full_headers: bool | None = None) -> Any:
             detail,
         )
         return False
+    global _release
+    _release = module.release
     return module.counts
 
 
@@ -493,6 +547,18 @@ class _Identity(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         return g
+
+
+def _self_test_release(release: Any) -> None:
+    """``release`` frees a C++ node's saved tensors as the engine does."""
+    with torch.inference_mode(False), torch.enable_grad():
+        y = torch.ones(1, requires_grad=True).exp()  # ExpBackward0 saves its result
+    release([None, y.grad_fn])
+    try:
+        y.grad_fn._saved_result
+    except RuntimeError:
+        return
+    raise RuntimeError("release() left ExpBackward0's saved result in place")
 
 
 def _self_test(counts: Any) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import cuda_graphs, direct_compile, events, explain, hit_path, host, logs, run_context, runtime, segments
+from . import cuda_graphs, direct_compile, events, explain, hit_path, host, logs, run_context, runtime, saved_variables, segments
 from . import disk_cache
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
@@ -360,7 +360,8 @@ def _run_guarded(
     if not call.keep_graph:
         # the graph holds the lifted tensors from here on (cagrad.boxed)
         order = hit.order
-        runtime.release_slots([(order[pos], attr, index) for pos, attr, index in guard.release_slots])
+        if not saved_variables.release_nodes([order[pos] for pos in guard.release_positions]):
+            runtime.release_slots([(order[pos], attr, index) for pos, attr, index in guard.release_slots])
     with events.running():
         outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
     runtime.finish_whole(entry, hit.order, outs)

@@ -91,12 +91,19 @@ class HitGuard:
         release_slots: ``(run position, attribute, index)`` of each lifted
             saved tensor, released after a backward without retain_graph.
         source: the generated Python source (logged, for review).
+        release_positions: the run positions of ``release_slots``, once
+            each (whole nodes are released where the C++ extension is
+            available: :func:`cagrad.saved_variables.release_nodes`).
     """
 
     node: Any
     fn: Callable[..., Any]
     release_slots: list[tuple[int, str, int]]
     source: str
+    release_positions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.release_positions = tuple(sorted({pos for pos, _, _ in self.release_slots}))
 
     def __call__(self, roots: Sequence[Any], grads: Sequence[Any], counts: Any) -> Hit | None:
         try:

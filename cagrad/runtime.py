@@ -157,6 +157,10 @@ def release(collected: Any, lifted: bool = True) -> None:
         lifted: also the slots whose tensors the graph read as inputs
             (False when :func:`release_lifted` freed them before the call).
     """
+    nodes = _nodes_of(collected.collector.args.slots) if lifted else []
+    nodes.extend(call.node for call in collected.collector.releases)
+    if saved_variables.release_nodes(nodes):
+        return
     if lifted:
         release_lifted(collected)
     plans = collected.collector.plans
@@ -177,11 +181,20 @@ def release_lifted(collected: Any) -> None:
 
 
 def release_slots(slots: Sequence[Any]) -> None:
-    """Frees saved-tensor slots ``(node, attribute, index)`` (None: skipped)."""
+    """Frees saved-tensor slots ``(node, attribute, index)`` (None: skipped):
+    with the C++ extension, every saved tensor of their nodes, as eager
+    releases a node that ran (all of them ran: a captured-only node lifts
+    no saved tensor)."""
+    if saved_variables.release_nodes(_nodes_of(slots)):
+        return
     release_one = saved_variables.release
     for slot in slots:
         if slot is not None:
             release_one(slot)
+
+
+def _nodes_of(slots: Sequence[Any]) -> list:
+    return [slot[0] for slot in slots if slot is not None]
 
 
 def check_unused(result: Sequence[Any], allow_unreachable: bool) -> None:

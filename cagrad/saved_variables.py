@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from . import _hook_counts
 from .errors import EagerError, Unsupported
 
 _METADATA_KEY = "_cagrad_saved"
@@ -297,6 +298,24 @@ def release(slot: Slot) -> None:
     h = _own(slot)
     if h is not None:
         h.release()
+
+
+def release_nodes(nodes: Sequence[Any]) -> bool:
+    """Frees every saved tensor of ``nodes`` (None items skipped) with the
+    engine's own ``Node::release_variables()``, through the C++ extension
+    of :mod:`cagrad._hook_counts`: what eager does to each node it ran
+    without ``retain_graph``, foreign-hooked slots and custom Functions
+    included, and a later unpack raises eager's own error.
+
+    Returns:
+        False if the extension is not available (no C++ compiler); the
+        caller then releases slot by slot (:func:`release`).
+    """
+    fn = _hook_counts.release_fn()
+    if fn is None:
+        return False
+    fn(nodes)
+    return True
 
 
 def release_node(node: Any, tensors: Sequence[str], tensor_lists: Sequence[str]) -> None:

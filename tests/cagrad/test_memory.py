@@ -144,3 +144,35 @@ def test_compiled_graph_frees_saved_activation_while_it_runs(backend, guarded, d
     lin1_eager, lin2_eager = (m.to(device) for m in _two_layers())
     _step(lin1_eager, lin2_eager, xs[1])[0].backward()
     torch.testing.assert_close(_grads(lin1, lin2), _grads(lin1_eager, lin2_eager))
+
+
+@pytest.mark.parametrize("release", ["extension", "python"])
+def test_a_second_backward_raises_eagers_error(release, monkeypatch):
+    """Saved tensors are released by the engine's own
+    ``Node::release_variables`` (the C++ extension), or slot by slot in
+    Python where it cannot be built; either way a second backward raises
+    the error eager raises."""
+    from cagrad import _hook_counts
+
+    if release == "python":
+        monkeypatch.setattr(_hook_counts, "_counts", False)
+        monkeypatch.setattr(_hook_counts, "_release", None)
+    elif _hook_counts.release_fn() is None:
+        import os
+        import shutil
+
+        if shutil.which(os.environ.get("CXX", "c++")):
+            pytest.fail("a C++ compiler is installed but the cagrad extension did not build")
+        pytest.skip("no C++ compiler: the extension cannot be built")
+    x, y, ref = _graph_with_saved_activation()
+    _, y_eager, _ = _graph_with_saved_activation()
+    y_eager.backward()
+    with pytest.raises(RuntimeError) as eager_error:
+        y_eager.backward()
+    with cagrad.enable("eager"):
+        y.backward()
+        assert ref.expired()
+        with pytest.raises(RuntimeError) as error:
+            y.backward()
+    assert str(error.value).split(".")[0] == str(eager_error.value).split(".")[0]
+    assert "backward through the graph a second time" in str(error.value)
