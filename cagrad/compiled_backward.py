@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import cuda_graphs, direct_compile, events, explain, hit_path, host, logs, run_context, runtime, saved_variables, segments
+from . import cuda_graphs, direct_compile, events, explain, hit_path, host, logs, run_context, runtime, saved_variables, segments, specialize
 from . import disk_cache
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
@@ -260,7 +260,7 @@ def run(
             node = cache.lookup(collected.keys)
             entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic, reason, disk)
             if cuda_graphs:
-                _use_cuda_graphs(entry, call.create_graph)
+                _use_cuda_graphs(entry, call.create_graph, compiler_fn)
             sym_values = entry.check.match(sizes.values)
             if sym_values is None:
                 raise Unsupported("dynamic_shapes", "a fresh capture does not accept its own sizes")
@@ -459,15 +459,19 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool) -> frozenset[int]
     return node.dynamic_slots
 
 
-def _use_cuda_graphs(entry: CompiledEntry, create_graph: bool) -> None:
+def _use_cuda_graphs(entry: CompiledEntry, create_graph: bool, compiler_fn: Any) -> None:
     """Wraps a fresh entry's compiled backward for CUDA graph replay, or
-    counts why it stays as it is (:mod:`cagrad.cuda_graphs`)."""
+    counts why it stays as it is (:mod:`cagrad.cuda_graphs`). Graphs of a
+    backend that specializes (:mod:`cagrad.specialize`) warm up one call
+    more, so that the graph records the specialized code."""
     why = cuda_graphs.unsafe_reason(entry.traced, create_graph)
     if why is not None:
         counters.record_cudagraph_skip(why)
         logs.verbose_log.debug("no CUDA graph for this backward: %s", why)
     elif entry.fn is not None and not isinstance(entry.fn, cuda_graphs.CudaGraphed):
-        entry.fn = cuda_graphs.CudaGraphed(entry.fn)
+        name = compiler_fn if isinstance(compiler_fn, str) else None
+        warmup = specialize.HOT_CALLS if specialize.wanted(name) else 1
+        entry.fn = cuda_graphs.CudaGraphed(entry.fn, warmup)
 
 
 def _wants_reason() -> bool:

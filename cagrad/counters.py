@@ -32,6 +32,7 @@ _INT_KEYS = (
     "disk_hits",  # captures loaded from the disk cache instead of traced (cagrad.disk_cache)
     "disk_stores",  # captures written to the disk cache
     "disk_skips",  # captures with a disk cache that were not written (reason logged at DEBUG)
+    "specializations",  # static compiles of a symbolic graph for sizes it runs at (cagrad.specialize)
 )
 
 
@@ -44,7 +45,8 @@ class Counters(Mapping[str, Any]):
     ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
     ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
     ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.disk_cache`;
-    a disk hit is a capture too: ``captures`` counts it);
+    a disk hit is a capture too: ``captures`` counts it),
+    ``specializations`` (:mod:`cagrad.specialize`);
     ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
     :class:`cagrad.errors.Unsupported`) to the number of backward passes that
     fell back for it; ``opaque_reasons``, the same for nodes forced to

@@ -7,8 +7,10 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
 
 * the first call at a new tuple of ``sizes`` runs ``fn`` as it is (a warm-up:
   the backend compiles or autotunes lazily on a first call, which a capture
-  cannot contain); the second records it into a ``torch.cuda.CUDAGraph``
-  (its own memory pool) and replays it; later calls at those sizes replay;
+  cannot contain; graphs that get a static specialization on their second
+  call, :mod:`cagrad.specialize`, warm up twice); the next records it into a
+  ``torch.cuda.CUDAGraph`` (its own memory pool) and replays it; later calls
+  at those sizes replay;
 * inputs that are leaves requiring grad (parameters) are read in place: the
   graph is recorded on their addresses, and a call where one has moved
   records a graph of its own. Every other input (saved activations, the
@@ -104,13 +106,14 @@ class CudaGraphed:
     list otherwise. Exceptions of ``fn`` itself pass through.
     """
 
-    __slots__ = ("fn", "graphs", "seen", "disabled")
+    __slots__ = ("fn", "graphs", "seen", "disabled", "warmup_calls")
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1) -> None:
         self.fn = fn
         self.graphs: dict[tuple, _Recorded] = {}
-        self.seen: set[tuple] = set()  # keys called once (warmed up)
+        self.seen: dict[tuple, int] = {}  # plain calls so far per key (warm-up)
         self.disabled: str | None = None
+        self.warmup_calls = warmup_calls
 
     def _disable(self, reason: str) -> None:
         if self.disabled is None:
@@ -131,8 +134,9 @@ class CudaGraphed:
         key = (tuple(sizes), tuple(t.data_ptr() if s else None for t, s in zip(inputs, static)))
         recorded = self.graphs.get(key)
         if recorded is None:
-            if key not in self.seen:
-                self.seen.add(key)
+            calls = self.seen.get(key, 0)
+            if calls < self.warmup_calls:
+                self.seen[key] = calls + 1
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
             if len(self.graphs) >= MAX_GRAPHS:
                 counters.record_cudagraph_skip("too_many_graphs")

@@ -32,11 +32,14 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 
 from . import run_context
+from . import specialize
 from .boxed import compile_boxed
+from .specialize import Specializer
 from .errors import Unsupported
 
 
@@ -201,7 +204,7 @@ class DirectCompiled:
             the graph's size inputs).
     """
 
-    __slots__ = ("boxed", "fn", "getters", "symbols")
+    __slots__ = ("boxed", "fn", "getters", "specializer", "symbols")
 
     def __init__(
         self,
@@ -216,6 +219,7 @@ class DirectCompiled:
         self.getters = [(slot[name], i) for name, i in reads]
         self.symbols = list(symbols)
         self.getters += [(1, -1)] * len(self.symbols)  # linked later
+        self.specializer: Specializer | None = None
 
     def link(self, index_of: Callable[[Any], int]) -> None:
         """Sets where each extra symbol's value is in ``sizes``."""
@@ -224,6 +228,10 @@ class DirectCompiled:
             self.getters[first + k] = (1, index_of(sym))
 
     def __call__(self, *lists: Any) -> Any:
+        if self.specializer is not None:
+            static = self.specializer.lookup(lists)
+            if static is not None:
+                return static(*lists)
         args = [lists[k][i] for k, i in self.getters]
         if not self.boxed:
             return self.fn(*args)
@@ -269,7 +277,62 @@ def compile_graph(
         fake_mode = FakeTensorMode()
     with tracing(TracingContext(fake_mode)):
         fn, boxed = compile_boxed(backend, name, flat, examples)
-    return DirectCompiled(fn, reads, symbols, boxed)
+    compiled = DirectCompiled(fn, reads, symbols, boxed)
+    if specialize.wanted(name) and any(_symbolic(e) for e in examples):
+        compiled.specializer = _specializer(compiled, reads, backend, name, gm, examples)
+    return compiled
+
+
+def _symbolic(example: Any) -> bool:
+    if isinstance(example, torch.SymInt):
+        return True
+    return isinstance(example, torch.Tensor) and any(
+        isinstance(v, torch.SymInt) for v in (*example.shape, *example.stride(), example.storage_offset())
+    )
+
+
+def _specializer(
+    compiled: DirectCompiled,
+    symbolic_reads: list[tuple[str, int]],
+    backend: Callable[..., Any],
+    name: str | None,
+    gm: torch.fx.GraphModule,
+    examples: list,
+) -> Specializer:
+    """Static compiles of ``gm`` for the sizes ``compiled`` is called at
+    (:mod:`cagrad.specialize`): the same flat graph and placeholders, the
+    symbols of ``examples`` bound to the call's values."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    positions = [(j, e.node.expr) for j, e in enumerate(examples) if isinstance(e, torch.SymInt)]
+
+    def symbols_of(lists: Sequence[Any]) -> dict:
+        getters = compiled.getters
+        binding = {}
+        for j, expr in positions:
+            if expr.is_symbol:
+                k, i = getters[j]
+                binding[expr] = sympy.Integer(int(lists[k][i]))
+        return binding
+
+    def compile_static(binding: dict) -> DirectCompiled:
+        flat, reads = flat_graph(gm)
+        examples = example_inputs(flat)
+        if examples is None:
+            raise ValueError("the graph's inputs are not all known")
+        symbols = lift_free_symbols(flat, examples)
+        if reads != symbolic_reads or symbols != compiled.symbols:
+            raise ValueError("the graph's placeholders differ from its symbolic compile's")
+        fake_mode = FakeTensorMode()
+        static = specialize.static_examples(examples, binding, fake_mode)
+        with tracing(TracingContext(fake_mode)):
+            fn, boxed = compile_boxed(backend, name, flat, static)
+        out = DirectCompiled(fn, reads, (), boxed)
+        out.getters = list(compiled.getters)
+        return out
+
+    return Specializer(compile_static, symbols_of)
 
 
 def link_all(compiled: Sequence[Any], traced: Any) -> None:
