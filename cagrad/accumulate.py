@@ -33,6 +33,8 @@ are non-overlapping and dense, ``.grad`` has the leaf's strides (dims of size
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import run_context
@@ -66,6 +68,10 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
 def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     if variable.is_nested or grad.is_sparse or variable.is_sparse:
         return False
+    if 1 not in variable.shape and variable.is_contiguous() and grad.is_contiguous():
+        # the common case, decided in C: equal shapes (validate_outputs) and
+        # no size-1 dim, so both have the contiguous strides
+        return True
     if is_non_overlapping_and_dense(variable):
         for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):
             if size != 1:
@@ -107,7 +113,9 @@ def _sum(old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return old + grad
 
 
-def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool) -> None:
+def accumulate_grad(
+    variable: torch.Tensor, grad: torch.Tensor, stealable: bool, create_graph: bool | None = None
+) -> None:
     """Adds ``grad`` into ``variable.grad`` as eager's AccumulateGrad does.
 
     Every mix of dense (strided) and sparse COO ``grad`` and ``.grad``
@@ -122,6 +130,10 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool)
         stealable: True when no other tensor shares ``grad``'s storage, so a
             dense ``grad`` may become ``.grad`` without a copy (a sparse one
             never does, as in eager).
+        create_graph: whether the backward builds a graph of its own
+            (:func:`cagrad.run_context.create_graph`, read here if None).
+            A caller that passes False and calls this for many leaves may
+            hold grad mode off around all of them (:func:`accumulate_all`).
 
     Raises:
         RuntimeError: from the ``.grad`` setter if ``grad`` does not match
@@ -129,7 +141,9 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool)
     """
     if not variable.requires_grad:
         return  # requires_grad was switched off after the forward
-    if run_context.create_graph():
+    if create_graph is None:
+        create_graph = run_context.create_graph()
+    if create_graph:
         # grad mode on (create_graph=True): never in place and never stolen,
         # so that .grad is differentiable (accumulateGrad's GradMode branch)
         with torch.enable_grad():
@@ -142,16 +156,37 @@ def accumulate_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool)
             else:
                 variable.grad = _sum(old, grad)
         return
-    with torch.no_grad():
-        old = variable.grad
-        if old is None:
-            if grad.is_sparse:
-                variable.grad = _sparse_copy(grad)
-            elif stealable and obeys_layout_contract(grad, variable):
-                variable.grad = grad
-            else:
-                variable.grad = clone_obey_contract(grad, variable)
-        elif old.is_sparse and not grad.is_sparse:
-            variable.grad = grad + old
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            _accumulate_no_grad(variable, grad, stealable)
+    else:
+        _accumulate_no_grad(variable, grad, stealable)
+
+
+def _accumulate_no_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool) -> None:
+    old = variable.grad
+    if old is None:
+        if grad.is_sparse:
+            variable.grad = _sparse_copy(grad)
+        elif stealable and obeys_layout_contract(grad, variable):
+            variable.grad = grad
         else:
-            old.add_(grad)
+            variable.grad = clone_obey_contract(grad, variable)
+    elif old.is_sparse and not grad.is_sparse:
+        variable.grad = grad + old
+    else:
+        old.add_(grad)
+
+
+def accumulate_all(pairs: Any, stealable: Any) -> None:
+    """:func:`accumulate_grad` for each ``(variable, grad, index)`` of
+    ``pairs`` with ``stealable[index]``, reading the backward's
+    ``create_graph`` once and switching grad mode off once."""
+    create_graph = run_context.create_graph()
+    if create_graph:
+        for variable, grad, i in pairs:
+            accumulate_grad(variable, grad, stealable[i], True)
+        return
+    with torch.no_grad():
+        for variable, grad, i in pairs:
+            accumulate_grad(variable, grad, stealable[i], False)

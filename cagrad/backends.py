@@ -67,29 +67,10 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
         ValueError: if the backend name is not registered with torch.compile.
     """
     if isinstance(compiler_fn, str):
-        from torch._dynamo.backends.registry import list_backends
-
-        known = set(list_backends(exclude_tags=())) | {"eager", "aot_eager", "inductor"}
-        if compiler_fn not in known:
-            raise ValueError(
-                f"cagrad: unknown torch.compile backend {compiler_fn!r}; "
-                f"registered: {sorted(known)}"
-            )
-        from torch._dynamo.backends.registry import lookup_backend
-
-        from . import direct_compile
-
-        backend = lookup_backend(compiler_fn)
-
-        def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
-            compiled = direct_compile.compile_graph(backend, gm, compiler_fn)
-            counters.bump("backend_compiles")
-            if compiled is None:
-                counters.bump("dynamo_compiles")
-                compiled = torch.compile(gm, backend=compiler_fn, dynamic=symbolic)
-            return _WithoutAliasCheck(compiled) if _scalar_beside_cuda(gm) else compiled
-
-        return compile_with_backend
+        resolved = _resolved.get(compiler_fn)
+        if resolved is None:
+            resolved = _resolved[compiler_fn] = _resolve_name(compiler_fn)
+        return resolved
     if callable(compiler_fn):
         user_fn = compiler_fn
         return lambda gm, symbolic: user_fn(gm)
@@ -97,6 +78,37 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
         "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
         f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"
     )
+
+
+_resolved: dict[str, Callable[[torch.fx.GraphModule, bool], Callable[..., Any]]] = {}
+"""Backend names resolved so far (every ``cagrad.enable`` resolves its
+backend; a name is looked up in torch's registry once)."""
+
+
+def _resolve_name(compiler_fn: str) -> Callable[[torch.fx.GraphModule, bool], Callable[..., Any]]:
+    from torch._dynamo.backends.registry import list_backends
+
+    known = set(list_backends(exclude_tags=())) | {"eager", "aot_eager", "inductor"}
+    if compiler_fn not in known:
+        raise ValueError(
+            f"cagrad: unknown torch.compile backend {compiler_fn!r}; "
+            f"registered: {sorted(known)}"
+        )
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from . import direct_compile
+
+    backend = lookup_backend(compiler_fn)
+
+    def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
+        compiled = direct_compile.compile_graph(backend, gm, compiler_fn)
+        counters.bump("backend_compiles")
+        if compiled is None:
+            counters.bump("dynamo_compiles")
+            compiled = torch.compile(gm, backend=compiler_fn, dynamic=symbolic)
+        return _WithoutAliasCheck(compiled) if _scalar_beside_cuda(gm) else compiled
+
+    return compile_with_backend
 
 
 def _scalar_beside_cuda(gm: torch.fx.GraphModule) -> bool:

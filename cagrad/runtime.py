@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from . import interpreter, run_context, saved_variables, segments
-from .accumulate import accumulate_grad
+from .accumulate import accumulate_all
 from .compiler import runtime_objects
 from .counters import counters
 from .cuda_graphs import BorrowedOutputs
@@ -34,6 +34,16 @@ UNUSED_MESSAGE = (
     "One of the differentiated Tensors appears to not have been used in the "
     "graph. Set allow_unused=True if this is the desired behavior."
 )
+
+
+class _Never:
+    """``stealable`` for a CUDA graph's outputs: never."""
+
+    def __getitem__(self, _i: int) -> bool:
+        return False
+
+
+_NEVER = _Never()
 
 
 def graph_inputs(entry: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -76,8 +86,7 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
     traced = entry.traced
     if isinstance(outs, BorrowedOutputs):
         # a CUDA graph's outputs: the next replay overwrites them
-        for pos, out_idx in traced.leaf_outputs:
-            accumulate_grad(order[pos].variable, outs[out_idx], False)
+        accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), _NEVER)
         return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
     stealable = [not a for a in traced.aliases_input]
     seen: set[int] = set()
@@ -89,8 +98,7 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
             if ptr in seen:
                 stealable[i] = False
             seen.add(ptr)
-    for pos, out_idx in traced.leaf_outputs:
-        accumulate_grad(order[pos].variable, outs[out_idx], stealable[out_idx])
+    accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 
 
