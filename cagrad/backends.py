@@ -46,8 +46,10 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
             )
 
 
-def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], Callable[..., Any]]:
-    """Turns ``compiler_fn`` into ``compile(graph_module, symbolic) -> callable``.
+def resolve(compiler_fn: CompilerFn) -> Callable[..., Callable[..., Any]]:
+    """Turns ``compiler_fn`` into ``compile(graph_module, symbolic,
+    static_first=False) -> callable`` (``static_first``: see
+    :func:`cagrad.direct_compile.compile_graph`; whole-graph backwards).
 
     A string names a ``torch.compile`` backend (``"eager"``, ``"aot_eager"``,
     ``"inductor"``, or any registered one): the backend compiles the graph
@@ -73,19 +75,19 @@ def resolve(compiler_fn: CompilerFn) -> Callable[[torch.fx.GraphModule, bool], C
         return resolved
     if callable(compiler_fn):
         user_fn = compiler_fn
-        return lambda gm, symbolic: user_fn(gm)
+        return lambda gm, symbolic, static_first=False: user_fn(gm)
     raise TypeError(
         "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
         f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"
     )
 
 
-_resolved: dict[str, Callable[[torch.fx.GraphModule, bool], Callable[..., Any]]] = {}
+_resolved: dict[str, Callable[..., Callable[..., Any]]] = {}
 """Backend names resolved so far (every ``cagrad.enable`` resolves its
 backend; a name is looked up in torch's registry once)."""
 
 
-def _resolve_name(compiler_fn: str) -> Callable[[torch.fx.GraphModule, bool], Callable[..., Any]]:
+def _resolve_name(compiler_fn: str) -> Callable[..., Callable[..., Any]]:
     from torch._dynamo.backends.registry import list_backends
 
     known = set(list_backends(exclude_tags=())) | {"eager", "aot_eager", "inductor"}
@@ -100,8 +102,8 @@ def _resolve_name(compiler_fn: str) -> Callable[[torch.fx.GraphModule, bool], Ca
 
     backend = lookup_backend(compiler_fn)
 
-    def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool) -> Callable[..., Any]:
-        compiled = direct_compile.compile_graph(backend, gm, compiler_fn)
+    def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool, static_first: bool = False) -> Callable[..., Any]:
+        compiled = direct_compile.compile_graph(backend, gm, compiler_fn, static_first)
         counters.bump("backend_compiles")
         if compiled is None:
             counters.bump("dynamo_compiles")

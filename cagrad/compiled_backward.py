@@ -23,8 +23,21 @@ from typing import Any
 
 import torch
 
-from . import cuda_graphs, direct_compile, events, explain, hit_path, host, logs, run_context, runtime, saved_variables, segments, specialize
-from . import disk_cache
+from . import (
+    cuda_graphs,
+    direct_compile,
+    disk_cache,
+    events,
+    explain,
+    hit_path,
+    host,
+    logs,
+    run_context,
+    runtime,
+    saved_variables,
+    segments,
+    specialize,
+)
 from .backends import check_graph
 from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
 from .cache_key import CacheKey, KeyWriter
@@ -266,11 +279,14 @@ def run(
                 raise Unsupported("dynamic_shapes", "a fresh capture does not accept its own sizes")
         else:
             entry, sym_values = found
-            counters.bump("cache_hits")
         if entry.state is not None:
             direct_compile.check_global_state(entry.state)
         fresh = node.guard is None and entry.segmented is None
         graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
+        if entry.segmented is None:
+            _prepare_symbolic(entry, graph_sizes, sizes.values)
+        if found is not None:
+            counters.bump("cache_hits")  # not one if it fell back above
         early_release = False
         if entry.segmented is None:
             first_run = entry.calls == 0
@@ -354,9 +370,10 @@ def _run_guarded(
         _verify_hit(call, cache, guard, hit)
     if entry.state is not None:
         direct_compile.check_global_state(entry.state)
+    graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
+    _prepare_symbolic(entry, graph_sizes, hit.values)
     counters.bump("cache_hits")
     counters.bump("guard_hits")
-    graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
     if not call.keep_graph:
         # the graph holds the lifted tensors from here on (cagrad.boxed)
         order = hit.order
@@ -366,6 +383,37 @@ def _run_guarded(
         outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
     runtime.finish_whole(entry, hit.order, outs)
     return None
+
+
+def _prepare_symbolic(entry: CompiledEntry, graph_sizes: list[int], values: Sequence[int]) -> None:
+    """Compiles a static-first graph's symbolic code before its first call
+    at sizes it was not compiled for (:func:`cagrad.direct_compile.
+    compile_graph`), while the backward can still fall back: the size
+    guards the backend adds join the entry's SizeCheck, which must still
+    accept these sizes.
+
+    Raises:
+        Unsupported: ``compile_failed`` (the backend failed, now or before:
+            this backward runs in eager), ``dynamic_shapes`` (the new
+            guards reject these sizes: eager now, a capture next time).
+    """
+    compiled = direct_compile.find(entry.fn)
+    if compiled is None or not compiled.needs_symbolic(graph_sizes):
+        return
+    env = entry.traced.shape_env
+    before = len(env.guards) if env is not None else 0
+    with run_context.grad_mode():
+        compiled.prepare_symbolic()
+    if env is not None:
+        try:
+            added = tighten(entry.traced.check, env, before)
+        except ValueError as e:
+            compiled.fn, compiled.symbolic_failed = None, f"size guards: {e}"
+            raise Unsupported("compile_failed", f"symbolic code: size guards: {e}") from e
+        if added:
+            logs.verbose_log.debug("the backend added %d size guards: %s", added, entry.traced.check.guard_exprs[-added:])
+    if entry.traced.check.match(values) is None:
+        raise Unsupported("dynamic_shapes", "the symbolic code's size guards do not accept these sizes")
 
 
 def _add_guard(collected: CollectedBackward, call: BackwardCall, cache: CacheNode, node: CacheNode) -> None:
@@ -529,7 +577,7 @@ def _capture(
                 segments.compile_segments(sg, lambda gm: compile_graph(gm, symbolic))
                 entry = CompiledEntry(None, traced, segmented=sg)
             else:
-                entry = CompiledEntry(compile_graph(traced.graph_module, symbolic), traced)
+                entry = CompiledEntry(compile_graph(traced.graph_module, symbolic, static_first=True), traced)
         entry.state = state
         compiled = [entry.fn] if entry.segmented is None else [seg.fn for seg in entry.segmented.segments]
         direct_compile.link_all(compiled, traced)

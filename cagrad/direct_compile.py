@@ -28,6 +28,7 @@ What Dynamo's guards checked is checked here instead:
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,11 +37,13 @@ import sympy
 import torch
 import torch.fx
 
-from . import run_context
-from . import specialize
+from . import run_context, specialize
 from .boxed import compile_boxed
-from .specialize import Specializer
+from .counters import counters
 from .errors import Unsupported
+from .specialize import Specializer
+
+log = logging.getLogger("cagrad")
 
 
 def flat_graph(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple[str, int]]]:
@@ -204,7 +207,7 @@ class DirectCompiled:
             the graph's size inputs).
     """
 
-    __slots__ = ("boxed", "fn", "getters", "specializer", "symbols")
+    __slots__ = ("boxed", "compile_symbolic", "fn", "getters", "specializer", "symbolic_failed", "symbols")
 
     def __init__(
         self,
@@ -220,6 +223,35 @@ class DirectCompiled:
         self.symbols = list(symbols)
         self.getters += [(1, -1)] * len(self.symbols)  # linked later
         self.specializer: Specializer | None = None
+        # static first (compile_graph(static_first=True)): ``fn`` is None
+        # until prepare_symbolic() compiles it with this
+        self.compile_symbolic: Callable[[], tuple[Callable[..., Any], bool]] | None = None
+        self.symbolic_failed: str | None = None
+
+    def needs_symbolic(self, sizes: Sequence[Any]) -> bool:
+        """Whether a call with these ``sizes`` would run the symbolic code,
+        not compiled yet (call :meth:`prepare_symbolic` first)."""
+        if self.fn is not None:
+            return False
+        return self.specializer is None or self.specializer.find((None, sizes)) is None
+
+    def prepare_symbolic(self) -> None:
+        """Compiles the symbolic code now (static first left it for the
+        first call at other sizes).
+
+        Raises:
+            Unsupported: ``compile_failed``, now or at an earlier attempt.
+        """
+        if self.fn is not None:
+            return
+        if self.symbolic_failed is None and self.compile_symbolic is not None:
+            try:
+                self.fn, self.boxed = self.compile_symbolic()
+                self.compile_symbolic = None
+                return
+            except Exception as e:  # noqa: BLE001 - reported as the fallback's reason
+                self.symbolic_failed = f"{type(e).__name__}: {e}"
+        raise Unsupported("compile_failed", f"symbolic code: {self.symbolic_failed or 'not compiled'}")
 
     def link(self, index_of: Callable[[Any], int]) -> None:
         """Sets where each extra symbol's value is in ``sizes``."""
@@ -232,6 +264,8 @@ class DirectCompiled:
             static = self.specializer.lookup(lists)
             if static is not None:
                 return static(*lists)
+        if self.fn is None:
+            raise RuntimeError("cagrad: a static-first graph called at new sizes without prepare_symbolic()")
         args = [lists[k][i] for k, i in self.getters]
         if not self.boxed:
             return self.fn(*args)
@@ -243,7 +277,7 @@ class DirectCompiled:
 
 
 def compile_graph(
-    backend: Callable[..., Any], gm: torch.fx.GraphModule, name: str | None = None
+    backend: Callable[..., Any], gm: torch.fx.GraphModule, name: str | None = None, static_first: bool = False
 ) -> DirectCompiled | None:
     """Compiles ``gm`` with a Dynamo backend callable, without Dynamo.
 
@@ -256,6 +290,12 @@ def compile_graph(
         gm: a captured graph with no opaque calls (see :func:`flat_graph`).
         name: the backend's registered name; ``"eager"``, ``"aot_eager"``
             and ``"inductor"`` compile boxed (:mod:`cagrad.boxed`).
+        static_first: for a symbolic graph of a backend that specializes
+            (:mod:`cagrad.specialize`), compile it now for the capture's
+            sizes only, and the symbolic code on the first need
+            (:meth:`DirectCompiled.prepare_symbolic`, which the caller
+            calls before a call at other sizes). A whole-graph backward
+            only: a segment's call cannot stop to prepare.
 
     Returns:
         the compiled graph, called like ``gm`` (a boxed one empties the
@@ -275,12 +315,48 @@ def compile_graph(
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode()
-    with tracing(TracingContext(fake_mode)):
-        fn, boxed = compile_boxed(backend, name, flat, examples)
-    compiled = DirectCompiled(fn, reads, symbols, boxed)
+    def compile_symbolic() -> tuple[Callable[..., Any], bool]:
+        with tracing(TracingContext(fake_mode)):
+            return compile_boxed(backend, name, flat, examples)
+
+    compiled = DirectCompiled(None, reads, symbols)
     if specialize.wanted(name) and any(_symbolic(e) for e in examples):
-        compiled.specializer = _specializer(compiled, reads, backend, name, gm, examples)
+        sp = compiled.specializer = _specializer(compiled, reads, backend, name, gm, examples)
+        binding = _hint_binding(examples) if static_first else None
+        if binding is not None:
+            try:
+                sp.pending = (binding, sp.compile_static(binding))
+            except Exception as e:  # noqa: BLE001 - the symbolic code is compiled instead
+                log.info("cagrad: no static compile at capture (%s: %s); compiling the symbolic code", type(e).__name__, e)
+            else:
+                counters.bump("specializations")
+                compiled.compile_symbolic = compile_symbolic
+                return compiled
+    compiled.fn, compiled.boxed = compile_symbolic()
     return compiled
+
+
+def _hint_binding(examples: Sequence[Any]) -> dict | None:
+    """Each symbol of the graph's SymInt inputs bound to its value at
+    capture (its hint); None if one has no hint."""
+    binding = {}
+    for e in examples:
+        if isinstance(e, torch.SymInt) and e.node.expr.is_symbol:
+            hint = e.node.hint
+            if hint is None:
+                return None
+            binding[e.node.expr] = sympy.Integer(int(hint))
+    return binding
+
+
+def find(fn: Any) -> DirectCompiled | None:
+    """The :class:`DirectCompiled` inside ``fn``'s wrappers (CUDA graphs,
+    the alias-check switch: each keeps what it wraps in ``.fn``), or None."""
+    for _ in range(4):
+        if isinstance(fn, DirectCompiled):
+            return fn
+        fn = getattr(fn, "fn", None)
+    return None
 
 
 def _symbolic(example: Any) -> bool:
@@ -304,6 +380,7 @@ def _specializer(
     symbols of ``examples`` bound to the call's values."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     positions = [(j, e.node.expr) for j, e in enumerate(examples) if isinstance(e, torch.SymInt)]
 
@@ -324,12 +401,14 @@ def _specializer(
         symbols = lift_free_symbols(flat, examples)
         if reads != symbolic_reads or symbols != compiled.symbols:
             raise ValueError("the graph's placeholders differ from its symbolic compile's")
-        fake_mode = FakeTensorMode()
+        # a ShapeEnv without symbols: inductor's and AOTAutograd's caches
+        # bypass a compile whose fake mode has none
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         static = specialize.static_examples(examples, binding, fake_mode)
         with tracing(TracingContext(fake_mode)):
             fn, boxed = compile_boxed(backend, name, flat, static)
         out = DirectCompiled(fn, reads, (), boxed)
-        out.getters = list(compiled.getters)
+        out.getters = compiled.getters  # shared: link() may still fill it in
         return out
 
     return Specializer(compile_static, symbols_of)

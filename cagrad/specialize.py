@@ -8,13 +8,21 @@ the attention input projection's backward took 4.3 ms with symbols and
 69 us with numbers (``torch._inductor.config.cpp.enable_kernel_profile``),
 the whole backward 6.3 ms against 1.7 ms.
 
-So a graph compiled by a backend in :data:`SPECIALIZE_BACKENDS` keeps its
-symbolic compile for any size, and once it has been called :data:`HOT_CALLS`
-times at one tuple of sizes, the same graph is compiled again with those
-sizes as numbers, and calls at exactly those sizes run that code (at most
-:data:`MAX_SPECIALIZATIONS` tuples per graph; ``counters["specializations"]``).
-This is the tiering torch's own compiled autograd reaches by compiling
-static first and dynamic after a change, without a second capture.
+So a whole-graph backward compiled by a backend in
+:data:`SPECIALIZE_BACKENDS` is compiled at capture for the capture's sizes
+only (*static first*: a static compile is also quicker, 6 s less for the CPU
+transformer layer); its symbolic code is compiled at the first backward at
+other sizes, before anything of that backward ran, so that the size guards
+the backend adds can still send it to eager
+(:func:`cagrad.compiled_backward._prepare_symbolic`). Once the graph has
+been called :data:`HOT_CALLS` times at another tuple of sizes, it is
+compiled again with those sizes as numbers, and calls at exactly those sizes
+run that code (at most :data:`MAX_SPECIALIZATIONS` tuples per graph, the
+capture's included; ``counters["specializations"]`` counts every static
+compile). Graphs cut into segments compile their symbolic code at capture
+and specialize the same way. This is the tiering torch's own compiled
+autograd reaches by compiling static first and dynamic after a change,
+without a second capture.
 
 Why it is safe: the sizes list a compiled graph is called with holds every
 size input and every free symbol of its inputs (:func:`cagrad.direct_compile.
@@ -70,7 +78,7 @@ class Specializer:
             symbol from a call's lists.
     """
 
-    __slots__ = ("compile_static", "symbols_of", "static", "calls", "failed")
+    __slots__ = ("compile_static", "symbols_of", "static", "calls", "failed", "pending")
 
     def __init__(
         self,
@@ -82,14 +90,30 @@ class Specializer:
         self.static: dict[tuple, Callable[..., Any]] = {}
         self.calls: dict[tuple, int] = {}
         self.failed = False
+        # (binding, fn): compiled at capture for the capture's sizes, before
+        # the tuple of sizes it will be called with is known
+        self.pending: tuple[dict, Callable[..., Any]] | None = None
+
+    def find(self, lists: Sequence[Any]) -> Callable[..., Any] | None:
+        """The specialization compiled for this call's sizes, if any (the
+        one compiled at capture is claimed by the first call whose symbol
+        values are the ones it was compiled for)."""
+        key = tuple(lists[1])
+        fn = self.static.get(key)
+        if fn is None and self.pending is not None:
+            binding, candidate = self.pending
+            if self.symbols_of(lists) == binding:
+                self.pending = None
+                self.static[key] = fn = candidate
+        return fn
 
     def lookup(self, lists: Sequence[Any]) -> Callable[..., Any] | None:
         """The specialization for this call's sizes (compiling it if this is
         its :data:`HOT_CALLS`-th call), or None to run the symbolic code."""
-        key = tuple(lists[1])
-        fn = self.static.get(key)
+        fn = self.find(lists)
         if fn is not None or self.failed or len(self.static) >= MAX_SPECIALIZATIONS:
             return fn
+        key = tuple(lists[1])
         n = self.calls.get(key, 0) + 1
         if n == 1 and len(self.calls) >= _MAX_COUNTED:
             self.calls.clear()  # sizes that keep changing: count afresh

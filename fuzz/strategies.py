@@ -301,6 +301,10 @@ def _draw_resizes(draw: Any, cfg: GenConfig, program: Program) -> Program:
     steps, each mapping one or two leaf sizes >= 2 to new values (>= 2, and
     now and then 1, which torch and cagrad specialize). A step whose program
     does not validate (an op's attributes carry that size) is left out.
+    About one sequence in three then repeats one of its steps: sizes seen
+    before must cost no capture, must not run code compiled for other
+    sizes (a wrong cache hit), and a second call at the same sizes is when
+    inductor graphs get their static compile (:mod:`cagrad.specialize`).
     Shrinks to no steps."""
     olds = sorted({d for d in program.leaf_sizes() if d >= 2})
     if not olds or draw(st.integers(0, 2)) != 2:
@@ -318,6 +322,8 @@ def _draw_resizes(draw: Any, cfg: GenConfig, program: Program) -> Program:
         except IRError:
             continue
         steps.append(tuple(step))
+    if steps and draw(st.integers(0, 2)) == 0:
+        steps.append(draw(st.sampled_from(steps)))
     return dataclasses.replace(program, resizes=tuple(steps))
 
 

@@ -1,7 +1,9 @@
 """Static specializations (:mod:`cagrad.specialize`): a symbolic inductor
-graph called a second time at one tuple of sizes is compiled again for those
-sizes, and calls at exactly those sizes run that code; every other size runs
-the symbolic code. Gradients are compared with eager autograd at every step.
+graph is compiled at capture for the capture's sizes only; its symbolic code
+is compiled at the first backward at other sizes (its size guards then
+checked), and a second backward at one tuple of sizes compiles a
+specialization for it. Gradients are compared with eager autograd at every
+step.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import logging
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.backends.registry import register_backend
 
 import cagrad
-from cagrad import specialize
+from cagrad import compiled_backward, specialize
 
 
 def _model() -> nn.Module:
@@ -41,13 +44,60 @@ def _train(backend: str, batches: list[int]) -> None:
 
 
 def test_each_hot_size_gets_its_own_compile_and_eager_gradients():
-    """Batch 4 is specialized at its second backward, batch 7 at its
-    second; one capture serves both (dynamic sizes) and the symbolic code
-    runs the first backward at each."""
-    _train("inductor", [4, 4, 4, 7, 7, 4, 7])
+    """The capture compiles for its own sizes (batch 4) only; the first
+    backward at batch 7 compiles the symbolic code, the second at 7 a
+    specialization; one capture serves both (dynamic sizes)."""
+    _train("inductor", [4])
+    assert cagrad.counters["specializations"] == 1
+    _train("inductor", [4, 4, 7, 7, 4, 7])
     assert cagrad.counters["captures"] == 1
     assert cagrad.counters["specializations"] == 2
     assert cagrad.counters["fallbacks"] == 0
+
+
+_SYMBOLIC_COMPILES: list[bool] = []
+
+
+@register_backend(name="cagrad_test_static_first")
+def _static_first_backend(gm, example_inputs):
+    """Runs the graph as it is; compiled with symbolic sizes it branches on
+    the first one (a guard in the ShapeEnv, as inductor's ``s0 <= 4096``)
+    and refuses to run on the other side."""
+    dims = [x.shape[0] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim()]
+    if not any(isinstance(d, torch.SymInt) for d in dims):
+        return gm
+    small = bool(dims[0] < 10)
+    _SYMBOLIC_COMPILES.append(small)
+
+    def run(*args):
+        first = next(a for a in args if isinstance(a, torch.Tensor) and a.dim())
+        if (first.shape[0] < 10) != small:
+            raise AssertionError("symbolic code called outside the guard its backend recorded")
+        return gm(*args)
+
+    return run
+
+
+def test_symbolic_code_compiled_late_has_its_guards_checked(monkeypatch):
+    """Capture at batch 4 compiles static code only. The first backward at
+    32 compiles the symbolic code (its guard: batch < 10, from the capture's
+    hint), which rejects 32: that backward runs in eager with the reason,
+    the next one at 32 captures again; batch 6 then runs the symbolic code."""
+    monkeypatch.setattr(specialize, "SPECIALIZE_BACKENDS", ("cagrad_test_static_first",))
+    for guarded in (True, False):  # a generated hit guard, then the full path
+        if not guarded:
+            cagrad.reset()
+            monkeypatch.setattr(compiled_backward.hit_path, "eligible_call", lambda call: False)
+        _late_symbolic_sequence()
+
+
+def _late_symbolic_sequence() -> None:
+    before = len(_SYMBOLIC_COMPILES)
+    _train("cagrad_test_static_first", [4, 32, 32, 6])
+    assert _SYMBOLIC_COMPILES[before:] == [True]
+    assert cagrad.counters["fallback_reasons"] == {"dynamic_shapes": 1}
+    assert cagrad.counters["captures"] == 2
+    assert cagrad.counters["cache_hits"] == 1
 
 
 def test_at_most_max_specializations_per_graph(monkeypatch):
