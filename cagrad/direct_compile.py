@@ -315,6 +315,7 @@ def compile_graph(
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode()
+
     def compile_symbolic() -> tuple[Callable[..., Any], bool]:
         with tracing(TracingContext(fake_mode)):
             return compile_boxed(backend, name, flat, examples)
@@ -322,7 +323,7 @@ def compile_graph(
     compiled = DirectCompiled(None, reads, symbols)
     if specialize.wanted(name) and any(_symbolic(e) for e in examples):
         sp = compiled.specializer = _specializer(compiled, reads, backend, name, gm, examples)
-        binding = _hint_binding(examples) if static_first else None
+        binding = sp.capture_binding if static_first else None
         if binding is not None:
             try:
                 sp.pending = (binding, sp.compile_static(binding))
@@ -334,19 +335,6 @@ def compile_graph(
                 return compiled
     compiled.fn, compiled.boxed = compile_symbolic()
     return compiled
-
-
-def _hint_binding(examples: Sequence[Any]) -> dict | None:
-    """Each symbol of the graph's SymInt inputs bound to its value at
-    capture (its hint); None if one has no hint."""
-    binding = {}
-    for e in examples:
-        if isinstance(e, torch.SymInt) and e.node.expr.is_symbol:
-            hint = e.node.hint
-            if hint is None:
-                return None
-            binding[e.node.expr] = sympy.Integer(int(hint))
-    return binding
 
 
 def find(fn: Any) -> DirectCompiled | None:
@@ -382,15 +370,19 @@ def _specializer(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    positions = [(j, e.node.expr) for j, e in enumerate(examples) if isinstance(e, torch.SymInt)]
+    # the graph's symbols: the SymInt inputs that are one symbol each
+    bound = [(j, e.node) for j, e in enumerate(examples) if isinstance(e, torch.SymInt) and e.node.expr.is_symbol]
+    hints = [node.hint for _, node in bound]
+    capture_binding = (
+        None if None in hints else {node.expr: sympy.Integer(int(h)) for (_, node), h in zip(bound, hints)}
+    )
 
     def symbols_of(lists: Sequence[Any]) -> dict:
         getters = compiled.getters
         binding = {}
-        for j, expr in positions:
-            if expr.is_symbol:
-                k, i = getters[j]
-                binding[expr] = sympy.Integer(int(lists[k][i]))
+        for j, node in bound:
+            k, i = getters[j]
+            binding[node.expr] = sympy.Integer(int(lists[k][i]))
         return binding
 
     def compile_static(binding: dict) -> DirectCompiled:
@@ -411,7 +403,7 @@ def _specializer(
         out.getters = compiled.getters  # shared: link() may still fill it in
         return out
 
-    return Specializer(compile_static, symbols_of)
+    return Specializer(compile_static, symbols_of, capture_binding)
 
 
 def link_all(compiled: Sequence[Any], traced: Any) -> None:

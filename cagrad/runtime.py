@@ -36,16 +36,6 @@ UNUSED_MESSAGE = (
 )
 
 
-class _Never:
-    """``stealable`` for a CUDA graph's outputs: never."""
-
-    def __getitem__(self, _i: int) -> bool:
-        return False
-
-
-_NEVER = _Never()
-
-
 def graph_inputs(entry: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The graph's ``inputs`` list from the lifted tensors (unused ones pruned)."""
     return [tensors[i] for i in entry.traced.input_indices]
@@ -86,7 +76,8 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
     traced = entry.traced
     if isinstance(outs, BorrowedOutputs):
         # a CUDA graph's outputs: the next replay overwrites them
-        accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), _NEVER)
+        never = [False] * len(outs)
+        accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), never)
         return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
     stealable = [not a for a in traced.aliases_input]
     seen: set[int] = set()

@@ -76,17 +76,21 @@ class Specializer:
             callable with the symbolic one's list signature, or raises.
         symbols_of: ``symbols_of(lists) -> binding`` reads the value of each
             symbol from a call's lists.
+        capture_binding: each symbol's value at capture (its hint), or None
+            if one has none: what a static-first compile is compiled for.
     """
 
-    __slots__ = ("compile_static", "symbols_of", "static", "calls", "failed", "pending")
+    __slots__ = ("compile_static", "symbols_of", "capture_binding", "static", "calls", "failed", "pending")
 
     def __init__(
         self,
         compile_static: Callable[[dict], Callable[..., Any]],
         symbols_of: Callable[[Sequence[Any]], dict],
+        capture_binding: dict | None = None,
     ) -> None:
         self.compile_static = compile_static
         self.symbols_of = symbols_of
+        self.capture_binding = capture_binding
         self.static: dict[tuple, Callable[..., Any]] = {}
         self.calls: dict[tuple, int] = {}
         self.failed = False
