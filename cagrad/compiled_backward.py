@@ -44,7 +44,7 @@ from .cache_key import CacheKey, KeyWriter
 from .compiled_node_args import Collector, write_tensor
 from .compiler import AutogradCompilerInstance, Traced
 from .counters import counters
-from .errors import EagerError, NodeTraceFailed, Unsupported
+from .errors import EagerError, HookTraceFailed, NodeTraceFailed, Unsupported
 from .graph_task import GraphTask
 from .hooks_census import Census
 from .sizes import tighten
@@ -133,6 +133,7 @@ def collect_backward(
             w.size(call.id)
             w.size(input_nr)
     node_keys = [collector.collect(call) for call in task.order]
+    collector.finish()
     return CollectedBackward(task, collector, CacheKey("GraphTask", w.getvalue()), node_keys)
 
 
@@ -178,6 +179,11 @@ def trace_with_retries(
 ) -> Traced:
     """Traces; a node that fails to trace runs as it is in the next try.
 
+    A tensor hook chosen for tracing that does not trace in a graph with no
+    other opaque call makes every hook of the backward opaque in the next try
+    (:class:`~cagrad.errors.HookTraceFailed`); later captures of the same
+    keys find the same and do the same.
+
     The positions that failed are kept on ``node`` so later captures of the
     same keys start with them opaque. Each one is logged and counted
     (``counters["nodes_forced_opaque"]``, ``counters["opaque_reasons"]``)
@@ -190,6 +196,12 @@ def trace_with_retries(
     while True:
         try:
             return trace(collected, node.profile, dynamic_slots, node.force_opaque, node.distinct_slots)
+        except HookTraceFailed:
+            collector = collected.collector
+            if not collector.traced_hooks:
+                raise
+            collector.traced_hooks = frozenset()
+            collector.any_opaque = True
         except NodeTraceFailed as e:
             if e.pos in node.force_opaque or len(node.force_opaque) >= MAX_FORCED_OPAQUE:
                 raise Unsupported(e.reason, e.detail) from e

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from . import custom_function, saved_variables
+from . import custom_function, hook_tracing, saved_variables
 from .cache_key import CacheKey, KeyWriter
 from .errors import EagerError, Unsupported
 from .formulas import FORMULAS
@@ -147,8 +147,13 @@ class Collector:
         output_slots: ``(NodeCall.id, i) -> first size slot`` of the shape of
             a non-differentiable forward output of an inlined AOT backward
             (its materialized zero gradient has that shape).
-        any_opaque: some node has hooks or runs opaque, so leaves are
-            accumulated in order inside the graph.
+        any_opaque: some node has hooks that are not traced or runs
+            opaque, so leaves are accumulated in order inside the graph.
+        user_code: some code of the user's runs during the backward besides
+            traceable tensor hooks (hooks of other kinds or not traceable,
+            custom Functions, nodes run as they are).
+        traced_hooks: object indices of the tensor hook dicts whose hooks are
+            traced into the graph (set by :meth:`finish`).
         needs_host: some hook was added from C++ and may queue a callback
             from C++, so the graph runs inside a host GraphTask of torch's
             (:mod:`cagrad.host`).
@@ -162,6 +167,9 @@ class Collector:
         self.plans: list[NodePlan] = []
         self.releases: list[NodeCall] = []
         self.any_opaque = False
+        self.user_code = False
+        self.traced_hooks: frozenset[int] = frozenset()
+        self._traceable_pre: list[int] = []
         self.needs_host = False
         self.sizes = SizeInputs()
         self.metadata_slots: dict[tuple[int, int], int] = {}
@@ -207,7 +215,6 @@ class Collector:
             self.census.check_invisible(node, found, call.needed, name)
         if found is not None:
             plan.hooks = self._hooks(w, found)
-            self.any_opaque = True
         else:
             w.tag(b"-")
         self.plans.append(plan)
@@ -261,13 +268,14 @@ class Collector:
                         f"{schema.name} has saved tensors with pack/unpack hooks that are "
                         "not cagrad's and a BackwardState",
                     )
-            self.any_opaque = True
+            self.user_code = self.any_opaque = True
             return NodePlan(Kind.CUSTOM, node=self.obj(node), record=record)
         if kind is NodeKind.GENERATED and self._traceable(call, schema):
             return NodePlan(Kind.TRACED)
         # hidden state, a node type with no formula to trace, or saved tensors
-        # with foreign pack hooks: run the node itself at run time
-        self.any_opaque = True
+        # with foreign pack hooks: run the node itself at run time (its
+        # unpack hooks may run the user's code: checkpointing recomputes)
+        self.user_code = self.any_opaque = True
         return NodePlan(Kind.OPAQUE, node=self.obj(node))
 
     def _traceable(self, call: NodeCall, schema: NodeSchema) -> bool:
@@ -367,7 +375,7 @@ class Collector:
         if state is not None:
             w.tag(b"B")
             plan.node = self.obj(state)
-            self.any_opaque = True  # its hooks may observe .grad
+            self.user_code = self.any_opaque = True  # its hooks may observe .grad
         else:
             w.tag(b"-")
         try:
@@ -390,25 +398,53 @@ class Collector:
             w.tag(b"H")
             w.size(len(found.cpp_post))
             hooks.cpp_post = self.obj(found.cpp_post)
-            self.needs_host = True
+            self.needs_host = self.any_opaque = True
         else:
             w.tag(b"h")
         w.size(len(found.tensor_pre))
         for input_nr, d in found.tensor_pre:
             w.size(input_nr)
             w.size(len(d))
-            hooks.tensor_pre.append((input_nr, self.obj(d)))
+            fingerprints = hook_tracing.dict_fingerprints(d)
+            for k, fp in enumerate(fingerprints):
+                if fp is None:
+                    w.tag(b"o")
+                else:
+                    w.tag(b"p")
+                    w.text(fp.hex())
+            obj = self.obj(d)
+            hooks.tensor_pre.append((input_nr, obj))
+            if None in fingerprints:
+                self.user_code = self.any_opaque = True
+            else:
+                self._traceable_pre.append(obj)
         w.size(len(found.retain_grad))
         for input_nr, ref in found.retain_grad:
             w.size(input_nr)
             hooks.retain_grad.append((input_nr, self.obj(ref)))
+            self.any_opaque = True
         for d, field in ((found.pre, "pre"), (found.post, "post"), (found.post_accumulate, "post_accumulate")):
             if d:
                 w.size(len(d))
                 setattr(hooks, field, self.obj(d))
+                self.user_code = self.any_opaque = True
             else:
                 w.size(0)
         return hooks
+
+    def finish(self) -> None:
+        """Decides, once every node is collected, whether tensor hooks are traced.
+
+        They are when each is accepted by :mod:`cagrad.hook_tracing` and no
+        other code of the user's runs during the backward (which could
+        change a hook dict after its fingerprint went into the key); else
+        they run opaque like every other hook. The decision follows from the
+        keys alone (fingerprints, hook kinds and node kinds are all in them).
+        """
+        if self._traceable_pre and not self.user_code:
+            self.traced_hooks = frozenset(self._traceable_pre)
+        elif self._traceable_pre:
+            self.any_opaque = True
 
     def _write_edges(self, w: KeyWriter, call: NodeCall) -> None:
         task = self.task

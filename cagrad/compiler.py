@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,12 +52,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import custom_function, formulas, run_context, runtime_ops, saved_variables
 from .accumulate import dense_strides
 from .compiled_node_args import Collector
-from .errors import NodeTraceFailed, Unsupported
+from .counters import counters
+from .errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from .graph_task import GraphTask, NodeCall
 from .saved_variables import SwapSavedVariables
 from .sizes import SizeCheck, static_check, symbolic_check
 from .validate import validate_outputs
 from .walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
+
+log = logging.getLogger("cagrad")
 
 PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_inputs")
 
@@ -531,6 +535,10 @@ class AutogradCompilerInstance:
         return a
 
     def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any) -> Any:
+        if op == "tensor_pre_hooks" and args[0].index in self.collector.traced_hooks:
+            traced = self._trace_tensor_hooks(args[0].index, args[1], origin)
+            if traced is not None:
+                return traced[0]
         target = getattr(runtime_ops, op)
         proxy = self.tracer.create_proxy("call_function", target, tuple(self._arg(a) for a in args), {})
         node = proxy.node
@@ -578,6 +586,50 @@ class AutogradCompilerInstance:
                 [] if inputs is None else [self._name(v) for v in inputs],
             )
         return outs
+
+    def _trace_tensor_hooks(self, index: int, grad: Any, origin: str) -> tuple[Any] | None:
+        """Records one tensor's hooks (``hooks[index]``, accepted by
+        :mod:`cagrad.hook_tracing`) as traced ops on ``grad``; returns
+        ``(new gradient,)``, or None (nothing recorded) where a hook does not
+        trace (it reads a value, or returns what eager would reject): the
+        caller then records the opaque call, which runs the hooks, and
+        raises eager's error, at run time.
+        """
+        if grad is None:
+            return None  # eager calls hooks on None too; leave that to runtime_ops
+        hooks = self.collector.objects[index]
+        graph = self.tracer.graph
+        marker = self._last_node()
+        g = grad
+        try:
+            for hook in list(hooks.values()):
+                res = hook(g)
+                if res is None or res is g:
+                    continue
+                if not isinstance(res, torch.Tensor) or (
+                    res.dtype != g.dtype
+                    or res.device != g.device
+                    or res.layout != g.layout
+                    or res.shape != g.shape
+                ):
+                    raise TypeError("the hook's result is not a gradient of the same kind")
+                g = res
+        except Exception as e:  # noqa: BLE001 - any failure: the hooks run opaque
+            node = self._last_node()
+            while node is not marker:
+                prev = node.prev
+                graph.erase_node(node)
+                node = prev
+            counters.bump("hooks_opaque")
+            log.info("%s: tensor hooks run opaque (%s: %s)", origin, type(e).__name__, e)
+            if self.accumulate_at_end:
+                # the leaves would be accumulated after an opaque hook that
+                # might read them: trace again with every hook opaque
+                raise HookTraceFailed("hook_trace_failed", f"{origin}: {type(e).__name__}") from e
+            return None
+        self._tag_since(marker, f"{origin} tensor hook")
+        counters.bump("hooks_traced")
+        return (g,)
 
     # -- capture --------------------------------------------------------------
     def capture(self) -> Traced:

@@ -39,6 +39,16 @@ class NodeTraceFailed(Unsupported):
         self.pos = pos
 
 
+class HookTraceFailed(Unsupported):
+    """A tensor hook chosen for tracing did not trace, in a graph that
+    accumulates its leaves after it runs (no opaque calls were expected).
+
+    The backward is traced again with every hook opaque and leaves
+    accumulated in order inside the graph (see
+    :func:`cagrad.compiled_backward.trace_with_retries`).
+    """
+
+
 class EagerError(Exception):
     """Eager autograd would raise here; let eager run and raise it itself.
 

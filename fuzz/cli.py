@@ -86,6 +86,13 @@ def main() -> None:
 )
 @click.option("--max-hooks", type=click.IntRange(min=1), default=4, show_default=True, help="Hooks per program, at most.")
 @click.option(
+    "--hook-actions",
+    default=None,
+    metavar="KIND.ACTION,...",
+    help="Draw hooks only of these kinds and actions (e.g. 'tensor.pure_scale,tensor.pure_shift': hooks "
+    "cagrad traces into its graph); default: every one.",
+)
+@click.option(
     "--shapes/--no-shapes",
     default=True,
     show_default=True,
@@ -154,6 +161,7 @@ def campaign(
     repeat: bool,
     hooks: bool,
     max_hooks: int,
+    hook_actions: str | None,
     shapes: bool,
     shrink_seconds: float,
     round_size: int,
@@ -174,7 +182,7 @@ def campaign(
     """
     from fuzz.campaign import Campaign, CampaignConfig, CampaignError, parse_shard
     from fuzz.ir import DTYPES, MODES
-    from fuzz.strategies import GenConfig
+    from fuzz.strategies import GenConfig, programs
 
     dtype_list = tuple(_split(dtypes) or ())
     mode_list = tuple(_split(modes) or ())
@@ -191,11 +199,12 @@ def campaign(
             repeat=repeat,
             hooks=hooks,
             max_hooks=max_hooks,
+            hook_actions=tuple(_split(hook_actions) or ()) if hook_actions else None,
             shapes=shapes,
         )
-        gen.op_names()
+        programs(gen)  # checks the op names and hook actions
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--ops") from None
+        raise click.BadParameter(str(e), param_hint="--ops or --hook-actions") from None
     try:
         shard_kn = parse_shard(shard) if shard is not None else None
     except ValueError as e:

@@ -32,8 +32,27 @@ def queue_callback(callback: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def _pure_hook(action: str, arg: Any) -> Any:
+    # reads nothing but its gradient and the number ``arg``: traceable
+    if action == "pure_scale":
+
+        def fn(g):
+            return None if g is None else g * arg
+
+    else:
+
+        def fn(g):
+            return None if g is None else g + arg
+
+    return fn
+
+
 def tensor_hook(trace: list, hook: Hook) -> Any:
     label, action, arg = hook.label, hook.action, hook.arg
+    if action.startswith("pure_"):
+        fn = _pure_hook(action, arg)
+        fn.__name__ = hook.name
+        return fn
 
     def fn(g):
         seen = _copy(g)

@@ -123,14 +123,20 @@ class Op:
 
 # hook kind -> the actions it takes (the first is the simplest)
 HOOK_KINDS: dict[str, tuple[str, ...]] = {
-    "tensor": ("observe", "scale", "shift", "zero", "callback"),
+    "tensor": ("observe", "scale", "shift", "zero", "callback", "pure_scale", "pure_shift"),
     "retain_grad": ("observe",),
     "pre": ("observe", "scale"),
     "post": ("observe", "scale", "drop"),
     "post_accumulate": ("observe", "callback"),
 }
 # actions that take an ``arg``: a number, or (drop) an index
-_ARG_ACTIONS = {"scale": "number", "shift": "number", "drop": "index"}
+_ARG_ACTIONS = {
+    "scale": "number",
+    "shift": "number",
+    "pure_scale": "number",
+    "pure_shift": "number",
+    "drop": "index",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +150,10 @@ class Hook:
       (``shift``) or ``torch.zeros_like(g)`` (``zero``); ``callback``
       returns None and queues (``queue_callback``) a callback that records
       ``g`` again under ``"<label> callback"`` after the whole backward;
+      ``pure_scale`` and ``pure_shift`` return ``g * arg`` and ``g + arg``
+      and record nothing: pure functions of the gradient, which cagrad
+      traces into its graph (``cagrad.hook_tracing``) where nothing else of
+      the user's runs in the backward;
     * ``"retain_grad"``: ``target.retain_grad()`` on a non-leaf; its
       ``.grad`` is compared after the backward like a leaf's;
     * ``"pre"``: ``target.grad_fn.register_prehook(fn)``; ``fn(grad_outputs)``

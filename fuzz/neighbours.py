@@ -237,7 +237,7 @@ def _hook_candidates(program: Program, infos: Mapping[str, ValueInfo]) -> Iterat
     for k, hook in enumerate(hooks):
         rest = hooks[:k] + hooks[k + 1 :]
         yield f"hooks: - {hook.label} {hook.action}", (lambda rest=rest: dataclasses.replace(program, hooks=rest))
-        if isinstance(hook.arg, (int, float)) and hook.action in ("scale", "shift"):
+        if isinstance(hook.arg, (int, float)) and hook.action in ("scale", "shift", "pure_scale", "pure_shift"):
             new_hook = dataclasses.replace(hook, arg=-hook.arg if hook.arg else 1.0)
             changed = hooks[:k] + (new_hook,) + hooks[k + 1 :]
             yield f"hooks[{k}].arg: {hook.arg!r} -> {new_hook.arg!r}", (
@@ -247,7 +247,7 @@ def _hook_candidates(program: Program, infos: Mapping[str, ValueInfo]) -> Iterat
     name = next(f"hn{j}" for j in itertools.count() if f"hn{j}" not in taken)
     for ref, info in infos.items():
         if info.requires_grad and not info.is_leaf:
-            for action, arg in (("observe", None), ("scale", 2.0)):
+            for action, arg in (("observe", None), ("scale", 2.0), ("pure_scale", 2.0)):
                 new_hook = Hook(name, "tensor", ref, action, arg)
                 yield f"hooks: + {new_hook.label} {action}", (
                     lambda new_hook=new_hook: dataclasses.replace(program, hooks=(*hooks, new_hook))

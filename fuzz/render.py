@@ -55,6 +55,13 @@ def _hook_lines(hook: Hook) -> list[str]:
     name, label, target = hook.name, repr(hook.label), ref_expr(hook.target)
     if hook.kind == "retain_grad":
         return [f"{target}.retain_grad()", f"retained.append({target})"]
+    if hook.kind == "tensor" and hook.action in ("pure_scale", "pure_shift"):
+        op = "*" if hook.action == "pure_scale" else "+"
+        return [
+            f"def {name}(g):",
+            f"    return None if g is None else g {op} {hook.arg!r}",
+            f"{target}.register_hook({name})",
+        ]
     if hook.kind == "tensor":
         body = [f"trace.append(({label}, {_COPY.format('g')}))"]
         if hook.action == "scale":

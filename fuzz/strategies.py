@@ -352,7 +352,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
     hooks: list[Hook] = []
     retained: set[str] = set()
     for i in range(count):
-        # tensor hooks (four actions) twice as likely as each other kind
+        # tensor hooks (seven actions) twice as likely as each other kind
         kinds = [k for k in ("tensor", *HOOK_KINDS) if _hook_targets(k, values) and cfg.allowed_actions(k)]
         if not kinds:
             break
@@ -376,9 +376,9 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
             retained.add(b.tensor_of(target.ref))
         action = draw(st.sampled_from(cfg.allowed_actions(kind)))
         arg: float | int | None = None
-        if action == "scale":
+        if action in ("scale", "pure_scale"):
             arg = draw(st.sampled_from(_SCALE_ARGS))
-        elif action == "shift":
+        elif action in ("shift", "pure_shift"):
             arg = draw(st.sampled_from(_SHIFT_ARGS))
         elif action == "drop":
             arg = draw(st.integers(0, 2))

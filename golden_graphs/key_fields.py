@@ -113,6 +113,9 @@ _LABELS: dict[tuple[str, str], str] = {
     ("_hooks", "len(found.tensor_pre)"): "inputs with tensor pre-hooks",
     ("_hooks", "input_nr"): "hooked input_nr",
     ("_hooks", "len(d)"): "{field} hooks",
+    ("_hooks", 'b"o"'): "hook {k} at input {input_nr}: runs as",
+    ("_hooks", 'b"p"'): "hook {k} at input {input_nr}: runs as",
+    ("_hooks", "fp.hex()"): "hook {k} at input {input_nr}: fingerprint",
     ("_hooks", "len(found.retain_grad)"): "inputs with retain_grad",
     ("_hooks", "0"): "{field} hooks",
     # edges
@@ -156,7 +159,14 @@ def _short(what: str) -> str:
 
 # what a tag byte means, by the last word of its field's name
 _TAG_MEANING = {
-    "runs as": {"t": "traced", "o": "opaque", "c": "custom Function", "g": "inlined AOT backward", "a": "AccumulateGrad"},
+    "runs as": {
+        "t": "traced",
+        "o": "opaque",
+        "c": "custom Function",
+        "g": "inlined AOT backward",
+        "a": "AccumulateGrad",
+        "p": "traceable hook (fingerprint follows)",
+    },
     "requires_grad": {"t": "False", "r": "True"},
     "needed": {"T": "True", "F": "False"},
     "hooks": {"-": "none", "h": "Python", "H": "C++ post hooks and Python"},

@@ -246,7 +246,7 @@ def _double_grad(g: torch.Tensor) -> torch.Tensor:
 
 @scenario
 def tensor_and_leaf_hooks() -> Backward:
-    """a tensor hook, a leaf hook and retain_grad: opaque calls in eager's order."""
+    """a tensor hook and a leaf hook (pure: traced into the graph) and retain_grad (an opaque call), in eager's order."""
     x = leaf(3, 4)
     h = x.exp()
     h.register_hook(_double_grad)

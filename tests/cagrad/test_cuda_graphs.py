@@ -73,16 +73,56 @@ def test_cpu_tensors_run_without_a_graph_and_say_why() -> None:
     assert cagrad.counters["fallbacks"] == 0
 
 
-def test_a_backward_with_a_hook_is_not_wrapped() -> None:
-    """A tensor hook is an opaque call: the backward runs in segments, which
-    are never replayed as one graph."""
+def test_a_backward_with_an_opaque_hook_is_not_wrapped() -> None:
+    """A tensor hook that is not a pure tensor function is an opaque call:
+    the backward runs in segments, which are never replayed as one graph."""
+    model = _mlp("cpu")
+    x = torch.randn(4, 8)
+    h = model[0](x)
+    calls: list = []
+    h.register_hook(lambda g: calls.append(1) or g * 2)
+    with cagrad.enable("eager", mode="reduce-overhead"):
+        model[2](torch.tanh(h)).sum().backward()
+    assert calls == [1]
+    assert cagrad.counters["cudagraph_skip_reasons"] == {"opaque_segments": 1}
+
+
+def test_a_backward_with_a_traced_hook_is_one_graph() -> None:
+    """A pure tensor hook is traced into the graph, which stays whole: on
+    CPU the only reason not to record it is the device."""
     model = _mlp("cpu")
     x = torch.randn(4, 8)
     h = model[0](x)
     h.register_hook(lambda g: g * 2)
     with cagrad.enable("eager", mode="reduce-overhead"):
         model[2](torch.tanh(h)).sum().backward()
-    assert cagrad.counters["cudagraph_skip_reasons"] == {"opaque_segments": 1}
+    assert cagrad.counters["hooks_traced"] == 1
+    assert cagrad.counters["cudagraph_skip_reasons"] == {"cpu_input": 1}
+
+
+@cuda
+def test_a_traced_hook_is_replayed_in_the_cuda_graph() -> None:
+    """On CUDA the hooked backward is recorded once and replayed; its
+    gradients stay eager's, step after step."""
+    ref, twin = _mlp("cuda"), _mlp("cuda")
+    for step in range(5):
+        x = torch.randn(6, 8, device="cuda")
+        grads = []
+        for model, graphed in ((ref, False), (twin, True)):
+            model.zero_grad(set_to_none=True)
+            h = model[0](x)
+            h.register_hook(lambda g: g * 0.5)
+            loss = model[2](torch.tanh(h)).square().mean()
+            if graphed:
+                with cagrad.enable("eager", mode="reduce-overhead"):
+                    loss.backward()
+            else:
+                loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for e, g in zip(*grads):
+            torch.testing.assert_close(g, e)
+    assert cagrad.counters["hooks_traced"] == 1
+    assert cagrad.counters["cudagraph_replays"] >= 3
 
 
 def test_create_graph_is_not_wrapped() -> None:

@@ -477,6 +477,32 @@ def test_cagrad_runs_queued_callbacks_as_eager(cagrad_oracle: Oracle) -> None:
     _assert_equal(cagrad_oracle, dataclasses.replace(program, retain_graph=True, repeat=2))
 
 
+def test_pure_hooks_of_a_program_are_traced_and_agree(cagrad_oracle: Oracle) -> None:
+    """``pure_scale``/``pure_shift`` hooks record nothing, so cagrad traces
+    them into its graph (cagrad.hook_tracing); gradients stay eager's, and a
+    hook with another ``arg`` (the neighbour a wrong cache hit would miss)
+    too."""
+    import cagrad
+
+    program = Program(
+        leaves=(Leaf("x0", (3,), "float32"), Leaf("x1", (3,), "float32")),
+        ops=(Op("v0", "mul", ("x0", "x1"), {}), Op("v1", "exp", ("v0",), {})),
+        roots=("v1",),
+        hooks=(Hook("h0", "tensor", "v0", "pure_scale", 2.0), Hook("h1", "tensor", "x1", "pure_shift", 0.5)),
+    )
+    before = cagrad.counters["hooks_traced"]
+    _assert_equal(cagrad_oracle, program)
+    assert cagrad.counters["hooks_traced"] >= before + 2
+    changed = dataclasses.replace(program, hooks=(dataclasses.replace(program.hooks[0], arg=-3.0), program.hooks[1]))
+    _assert_equal(cagrad_oracle, changed)
+
+
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
+@given(programs(max_ops=6, hook_actions=("tensor.pure_scale", "tensor.pure_shift")))
+def test_cagrad_agrees_with_eager_on_programs_with_pure_hooks(cagrad_oracle: Oracle, program: Program) -> None:
+    _assert_equal(cagrad_oracle, program)
+
+
 @pytest.fixture(scope="module")
 def torch_ca_oracle() -> Oracle:
     return Oracle(["torch_ca[eager]"], devices=["cpu"])
