@@ -11,10 +11,19 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   call, :mod:`cagrad.specialize`, warm up twice); the next records it into a
   ``torch.cuda.CUDAGraph`` (its own memory pool) and replays it; later calls
   at those sizes replay;
-* inputs that are leaves requiring grad (parameters) are read in place: the
-  graph is recorded on their addresses, and a call where one has moved
-  records a graph of its own. Every other input (saved activations, the
-  root gradients) is copied into a buffer the graph owns before each replay;
+* inputs are read in place where their addresses are stable: leaves that
+  require grad (parameters) always, and any other input (saved activations,
+  the root gradients) whose address at the recording call is the one it had
+  at the warm-up call before it (a training loop that repeats its forward
+  gets the same blocks from the caching allocator step after step). The
+  graph is recorded on those addresses and replayed only while every one of
+  them holds (a tensor alive at that address is the input itself, so the
+  graph reads the right data). A call that matches no graph records one
+  that reads in place the inputs at the address they had in the previous
+  call (and copies the others into buffers it owns before each replay), so
+  a loop whose addresses settle after a few steps, or alternate between two
+  patterns, replays without copies; a call where nothing is where it was
+  shares the graph that copies every input but the parameters;
 * outputs live in the graph's pool and are overwritten by the next replay,
   so they are *borrowed* (:class:`BorrowedOutputs`): the caller copies each
   before the next backward (:func:`cagrad.runtime.finish_whole` accumulates
@@ -91,8 +100,8 @@ class _Recorded:
 
     def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list) -> None:
         self.graph = graph
-        self.buffers = buffers  # per input: the tensor the graph reads
-        self.static = static  # per input: read in place (a parameter)
+        self.buffers = buffers  # per input: the buffer the graph reads, None if in place
+        self.static = static  # per input: read in place
         self.outputs = outputs
 
 
@@ -106,12 +115,15 @@ class CudaGraphed:
     list otherwise. Exceptions of ``fn`` itself pass through.
     """
 
-    __slots__ = ("fn", "graphs", "seen", "disabled", "warmup_calls")
+    __slots__ = ("fn", "graphs", "seen", "masks", "disabled", "warmup_calls")
 
     def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1) -> None:
         self.fn = fn
         self.graphs: dict[tuple, _Recorded] = {}
-        self.seen: dict[tuple, int] = {}  # plain calls so far per key (warm-up)
+        # per tuple of sizes: calls so far and the input addresses of the last
+        self.seen: dict[tuple, tuple[int, list[int]]] = {}
+        # per tuple of sizes: which inputs each of its graphs reads in place
+        self.masks: dict[tuple, list[list[bool]]] = {}
         self.disabled: str | None = None
         self.warmup_calls = warmup_calls
 
@@ -130,45 +142,87 @@ class CudaGraphed:
         if any(not t.is_cuda for t in inputs):
             self._disable("cpu_input")
             return self(inputs, sizes, scalars, hooks, packed)
-        static = [t.is_leaf and t.requires_grad for t in inputs]
-        key = (tuple(sizes), tuple(t.data_ptr() if s else None for t, s in zip(inputs, static)))
-        recorded = self.graphs.get(key)
+        size_key = tuple(sizes)
+        addresses = [t.data_ptr() for t in inputs]
+        calls, last = self.seen.get(size_key, (0, None))
+        self.seen[size_key] = (calls + 1, addresses)
+        recorded = None
+        for mask in self.masks.get(size_key, ()):
+            recorded = self.graphs.get(
+                (size_key, tuple(a if s else None for a, s in zip(addresses, mask)))
+            )
+            if recorded is not None:
+                break
         if recorded is None:
-            calls = self.seen.get(key, 0)
             if calls < self.warmup_calls:
-                self.seen[key] = calls + 1
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
-            if len(self.graphs) >= MAX_GRAPHS:
-                counters.record_cudagraph_skip("too_many_graphs")
-                return list(self.fn(inputs, sizes, scalars, hooks, packed))
-            try:
-                recorded = self._record(inputs, sizes, static)
-            except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
-                self._disable(f"capture_failed: {type(e).__name__}: {e}")
-                return self(inputs, sizes, scalars, hooks, packed)
-            self.graphs[key] = recorded
-        else:
-            for t, buf, s in zip(inputs, recorded.buffers, recorded.static):
-                if not s:
-                    buf.copy_(t)
+            # read in place: parameters, and inputs at the address they had
+            # in the previous call (else the graph that copies them)
+            static = [
+                (t.is_leaf and t.requires_grad) or (last is not None and a == b)
+                for t, a, b in zip(inputs, addresses, last or addresses)
+            ]
+            key = (size_key, tuple(a if s else None for a, s in zip(addresses, static)))
+            recorded = self.graphs.get(key)
+            if recorded is None:
+                if len(self.graphs) >= MAX_GRAPHS:
+                    counters.record_cudagraph_skip("too_many_graphs")
+                    return list(self.fn(inputs, sizes, scalars, hooks, packed))
+                try:
+                    recorded = self._record(inputs, sizes, static)
+                except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
+                    self._disable(f"capture_failed: {type(e).__name__}: {e}")
+                    return self(inputs, sizes, scalars, hooks, packed)
+                key = (size_key, tuple(a if s else None for a, s in zip(addresses, recorded.static)))
+                self.graphs[key] = recorded
+                masks = self.masks.setdefault(size_key, [])
+                if recorded.static not in masks:
+                    masks.append(recorded.static)
+                return self._replay(recorded)
+        for t, buf, s in zip(inputs, recorded.buffers, recorded.static):
+            if not s:
+                buf.copy_(t)
+        return self._replay(recorded)
+
+    def _replay(self, recorded: _Recorded) -> BorrowedOutputs:
         recorded.graph.replay()
         counters.bump("cudagraph_replays")
         return BorrowedOutputs(recorded.outputs)
 
     def _record(self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool]) -> _Recorded:
-        buffers = []
+        """Records ``fn`` reading the ``static`` inputs in place and the rest
+        from buffers of its own (filled here). The capture runs no kernel;
+        the caller replays. An output that is an input read in place (a
+        gradient handed through unchanged) would be the recording call's
+        tensor at every replay, so such a graph is recorded again with only
+        the parameters read in place."""
+        args = []
+        buffers: list[torch.Tensor | None] = []
         for t, s in zip(inputs, static):
             if s:
-                buffers.append(t)
+                args.append(t)
+                buffers.append(None)  # no reference kept: the input may die
             else:
                 buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
                 buf.copy_(t)
+                args.append(buf)
                 buffers.append(buf)
         graph = torch.cuda.CUDAGraph()
         # the capture runs on a side stream; wait for the copies above
         torch.cuda.current_stream().synchronize()
         with torch.cuda.graph(graph):
-            outputs = list(self.fn(list(buffers), list(sizes), [], [], []))
+            outputs = list(self.fn(args, list(sizes), [], [], []))
+        del args
+        in_place = {
+            t.untyped_storage().data_ptr()
+            for t, s in zip(inputs, static)
+            if s and not (t.is_leaf and t.requires_grad)
+        }
+        if in_place and any(
+            isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in in_place for o in outputs
+        ):
+            del outputs, graph
+            return self._record(inputs, sizes, [t.is_leaf and t.requires_grad for t in inputs])
         counters.bump("cudagraph_records")
         return _Recorded(graph, buffers, static, outputs)
 

@@ -203,3 +203,54 @@ def test_new_parameters_at_other_addresses_get_graphs_of_their_own() -> None:
                 model(x).square().sum().backward()
             for p, e in zip(model.parameters(), expected):
                 torch.testing.assert_close(p.grad, e)
+
+
+def _fn(inputs, sizes, scalars, hooks, packed):
+    a, b = inputs
+    return [a * 2 + b, (a * b).sum(0)]
+
+
+@cuda
+def test_inputs_at_stable_addresses_are_read_in_place_and_a_moved_one_is_copied() -> None:
+    """Inputs whose address did not change between the warm-up and the
+    recording call are read in place; a call where one has moved must not
+    replay that graph (it would read freed memory): it gets the graph that
+    copies, and every result is the function's own."""
+    graphed = cuda_graphs.CudaGraphed(_fn)
+    a = torch.randn(64, 32, device="cuda")
+    b = torch.randn(64, 32, device="cuda")
+    for _ in range(3):  # warm-up, record, replay: same tensors, same addresses
+        got = graphed([a, b], [], [], [], [])
+        for g, e in zip(got, _fn([a, b], [], [], [], [])):
+            torch.testing.assert_close(g, e)
+    (first,) = graphed.graphs.values()
+    assert first.static == [True, True] and first.buffers == [None, None]
+    for step in range(4):  # new tensors at new addresses, same sizes
+        keep = [torch.empty(1 << 20, device="cuda") for _ in range(step + 1)]  # shift the allocator
+        a2 = torch.randn(64, 32, device="cuda")
+        b2 = torch.randn(64, 32, device="cuda")
+        assert a2.data_ptr() != a.data_ptr()
+        got = [t.clone() for t in graphed([a2, b2], [], [], [], [])]
+        for g, e in zip(got, _fn([a2, b2], [], [], [], [])):
+            torch.testing.assert_close(g, e)
+        del keep
+    assert len(graphed.graphs) == 2  # the in-place graph and the copying one
+    assert cagrad.counters["cudagraph_records"] == 2
+
+
+@cuda
+def test_an_output_that_is_an_input_is_never_read_in_place() -> None:
+    def passthrough(inputs, sizes, scalars, hooks, packed):
+        return [inputs[0], inputs[1] * 3]
+
+    graphed = cuda_graphs.CudaGraphed(passthrough)
+    a = torch.randn(16, device="cuda")
+    b = torch.randn(16, device="cuda")
+    for _ in range(3):
+        out = graphed([a, b], [], [], [], [])
+    (rec,) = graphed.graphs.values()
+    assert rec.static == [False, False]
+    a.add_(1)  # new values at the same address: the replay must see them
+    out = graphed([a, b], [], [], [], [])
+    torch.testing.assert_close(out[0], a)
+    torch.testing.assert_close(out[1], b * 3)
