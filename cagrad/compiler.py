@@ -593,10 +593,9 @@ class AutogradCompilerInstance:
         ``(new gradient,)``, or None (nothing recorded) where a hook does not
         trace (it reads a value, or returns what eager would reject): the
         caller then records the opaque call, which runs the hooks, and
-        raises eager's error, at run time.
+        raises eager's error, at run time. A None gradient is handed to the
+        hooks as eager does; one that returns a tensor for it fails here.
         """
-        if grad is None:
-            return None  # eager calls hooks on None too; leave that to runtime_ops
         hooks = self.collector.objects[index]
         graph = self.tracer.graph
         marker = self._last_node()

@@ -188,6 +188,44 @@ def test_hooks_returning_none_leave_the_gradient():
     assert cagrad.counters["hooks_traced"] == 2
 
 
+@pytest.mark.parametrize("accumulate_at_end", [True, False])
+def test_a_traced_hook_on_a_tensor_that_gets_no_gradient(accumulate_at_end):
+    # eager calls the hook with None; the leaves' gradients must still arrive
+    # (with retain_grad, an opaque call, the graph accumulates in order)
+    def build():
+        torch.manual_seed(0)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        a, b = (x * w).split([1, 2])
+        b.register_hook(lambda g: None if g is None else g * 2)
+        if not accumulate_at_end:
+            a.retain_grad()
+        a.sum().backward()
+        return x.grad, w.grad
+
+    expected = build()
+    with cagrad.enable("eager"):
+        actual = build()
+    for e, a in zip(expected, actual):
+        same(e, a)
+    assert cagrad.counters["fallbacks"] == 0
+    assert cagrad.counters["hooks_traced"] == 1
+
+
+def test_a_hook_that_fails_on_a_missing_gradient_raises_eagers_error():
+    def build():
+        x = torch.randn(3, requires_grad=True)
+        a, b = (x * 2).split([1, 2])
+        b.register_hook(lambda g: g * 2)  # None * 2: TypeError in eager
+        a.sum().backward()
+
+    with pytest.raises(TypeError) as eager:
+        build()
+    with cagrad.enable("eager"), pytest.raises(TypeError) as ours:
+        build()
+    assert str(ours.value) == str(eager.value)
+
+
 def test_hooks_reading_symbolic_sizes_follow_the_batch():
     # batch sizes change: the hook's g.shape[0] is a symbol in the trace
     def hooks(step):
