@@ -13,17 +13,16 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   at those sizes replay;
 * inputs are read in place where their addresses are stable: leaves that
   require grad (parameters) always, and any other input (saved activations,
-  the root gradients) whose address at the recording call is the one it had
-  at the warm-up call before it (a training loop that repeats its forward
-  gets the same blocks from the caching allocator step after step). The
-  graph is recorded on those addresses and replayed only while every one of
-  them holds (a tensor alive at that address is the input itself, so the
-  graph reads the right data). A call that matches no graph records one
-  that reads in place the inputs at the address they had in the previous
-  call (and copies the others into buffers it owns before each replay), so
-  a loop whose addresses settle after a few steps, or alternate between two
-  patterns, replays without copies; a call where nothing is where it was
-  shares the graph that copies every input but the parameters;
+  the root gradients) at the address it had in the previous call (a
+  training loop that repeats its forward gets the same blocks from the
+  caching allocator step after step); the others are copied into buffers
+  the graph owns before each replay. A graph is keyed on the addresses it
+  reads in place and replayed only while every one of them holds (a tensor
+  alive at that address is the input itself, so the graph reads the right
+  data). A call that matches no graph records one, so a loop whose
+  addresses settle after a few steps, or alternate between two patterns,
+  replays without copies; calls where nothing is where it was share the
+  graph that copies every input but the parameters;
 * outputs live in the graph's pool and are overwritten by the next replay,
   so they are *borrowed* (:class:`BorrowedOutputs`): the caller copies each
   before the next backward (:func:`cagrad.runtime.finish_whole` accumulates
@@ -105,6 +104,11 @@ class _Recorded:
         self.outputs = outputs
 
 
+def _key(size_key: tuple, addresses: list[int], mask: list[bool]) -> tuple:
+    """A graph's key: the sizes, and the addresses it reads in place."""
+    return size_key, tuple(a if s else None for a, s in zip(addresses, mask))
+
+
 class CudaGraphed:
     """``fn`` replayed as CUDA graphs, one per tuple of sizes and parameter
     addresses (see the module docstring).
@@ -146,39 +150,32 @@ class CudaGraphed:
         addresses = [t.data_ptr() for t in inputs]
         calls, last = self.seen.get(size_key, (0, None))
         self.seen[size_key] = (calls + 1, addresses)
-        recorded = None
-        for mask in self.masks.get(size_key, ()):
-            recorded = self.graphs.get(
-                (size_key, tuple(a if s else None for a, s in zip(addresses, mask)))
-            )
+        # a graph's key holds exactly the addresses its mask reads in place,
+        # so trying each mask recorded at these sizes finds any graph that fits
+        masks = self.masks.setdefault(size_key, [])
+        for mask in masks:
+            recorded = self.graphs.get(_key(size_key, addresses, mask))
             if recorded is not None:
                 break
-        if recorded is None:
+        else:
             if calls < self.warmup_calls:
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
+            if len(self.graphs) >= MAX_GRAPHS:
+                counters.record_cudagraph_skip("too_many_graphs")
+                return list(self.fn(inputs, sizes, scalars, hooks, packed))
+            params = [t.is_leaf and t.requires_grad for t in inputs]
             # read in place: parameters, and inputs at the address they had
-            # in the previous call (else the graph that copies them)
-            static = [
-                (t.is_leaf and t.requires_grad) or (last is not None and a == b)
-                for t, a, b in zip(inputs, addresses, last or addresses)
-            ]
-            key = (size_key, tuple(a if s else None for a, s in zip(addresses, static)))
-            recorded = self.graphs.get(key)
-            if recorded is None:
-                if len(self.graphs) >= MAX_GRAPHS:
-                    counters.record_cudagraph_skip("too_many_graphs")
-                    return list(self.fn(inputs, sizes, scalars, hooks, packed))
-                try:
-                    recorded = self._record(inputs, sizes, static)
-                except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
-                    self._disable(f"capture_failed: {type(e).__name__}: {e}")
-                    return self(inputs, sizes, scalars, hooks, packed)
-                key = (size_key, tuple(a if s else None for a, s in zip(addresses, recorded.static)))
-                self.graphs[key] = recorded
-                masks = self.masks.setdefault(size_key, [])
-                if recorded.static not in masks:
-                    masks.append(recorded.static)
-                return self._replay(recorded)
+            # in the previous call (else the graph copies them)
+            static = [p or a == b for p, a, b in zip(params, addresses, last or [None] * len(inputs))]
+            try:
+                recorded = self._record(inputs, sizes, static, params)
+            except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
+                self._disable(f"capture_failed: {type(e).__name__}: {e}")
+                return self(inputs, sizes, scalars, hooks, packed)
+            self.graphs[_key(size_key, addresses, recorded.static)] = recorded
+            if recorded.static not in masks:
+                masks.append(recorded.static)
+            return self._replay(recorded)
         for t, buf, s in zip(inputs, recorded.buffers, recorded.static):
             if not s:
                 buf.copy_(t)
@@ -189,13 +186,15 @@ class CudaGraphed:
         counters.bump("cudagraph_replays")
         return BorrowedOutputs(recorded.outputs)
 
-    def _record(self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool]) -> _Recorded:
+    def _record(
+        self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool], params: list[bool]
+    ) -> _Recorded:
         """Records ``fn`` reading the ``static`` inputs in place and the rest
         from buffers of its own (filled here). The capture runs no kernel;
         the caller replays. An output that is an input read in place (a
         gradient handed through unchanged) would be the recording call's
         tensor at every replay, so such a graph is recorded again with only
-        the parameters read in place."""
+        the ``params`` read in place."""
         args = []
         buffers: list[torch.Tensor | None] = []
         for t, s in zip(inputs, static):
@@ -214,15 +213,13 @@ class CudaGraphed:
             outputs = list(self.fn(args, list(sizes), [], [], []))
         del args
         in_place = {
-            t.untyped_storage().data_ptr()
-            for t, s in zip(inputs, static)
-            if s and not (t.is_leaf and t.requires_grad)
+            t.untyped_storage().data_ptr() for t, s, p in zip(inputs, static, params) if s and not p
         }
         if in_place and any(
             isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in in_place for o in outputs
         ):
             del outputs, graph
-            return self._record(inputs, sizes, [t.is_leaf and t.requires_grad for t in inputs])
+            return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
         return _Recorded(graph, buffers, static, outputs)
 

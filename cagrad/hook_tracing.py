@@ -66,7 +66,12 @@ FINGERPRINT_BYTES = 8  #: digest bytes written into the key
 _MODULES = frozenset(
     {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math, operator}
 )
-_MODULE_NAMES = frozenset(m.__name__ for m in _MODULES)
+#: modules whose functions a traced hook may read (the ones above and the
+#: C modules torch's functions are defined in)
+_FUNCTION_MODULES = frozenset(m.__name__ for m in _MODULES) | {
+    "torch._C._VariableFunctions", "torch.functional", "torch._C._nn", "torch._C._special",
+    "torch._C._linalg", "torch._C._fft",
+}
 
 #: builtins a traced hook may call (pure on tensors and Python numbers)
 _BUILTINS = frozenset(
@@ -202,10 +207,7 @@ def _object_text(v: Any) -> str | None:
         if (
             isinstance(module, str)
             and isinstance(qualname, str)
-            and (module in _MODULE_NAMES or module == "torch._C._VariableFunctions"
-                 or module == "torch.functional" or module == "torch._C._nn"
-                 or module == "torch._C._special" or module == "torch._C._linalg"
-                 or module == "torch._C._fft")
+            and module in _FUNCTION_MODULES
             and not _denied(qualname.rsplit(".", 1)[-1])
         ):
             return f"function:{module}.{qualname}"
