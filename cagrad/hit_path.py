@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -108,9 +109,10 @@ class HitGuard:
     def __call__(self, roots: Sequence[Any], grads: Sequence[Any], counts: Any) -> Hit | None:
         try:
             got = self.fn(roots, grads, counts)
-        except RuntimeError:
-            # unpacking a saved tensor failed (freed, modified in place): the
-            # full path raises eager's error for it
+        except (RuntimeError, ValueError):
+            # RuntimeError: unpacking a saved tensor failed (freed, modified
+            # in place): the full path raises eager's error for it.
+            # ValueError: a node has another number of edges
             return None
         return None if got is None else Hit(*got)
 
@@ -206,6 +208,8 @@ class _Generator:
             "_key_bytes": _key_bytes,
             "_types": _types,
             "_int64": _int64,
+            "_lt": operator.lt,
+            "_eq": operator.eq,
         }
         self.var: dict[int, str] = {}  # discovery id -> local name
         self.md_loaded: set[int] = set()
@@ -241,15 +245,6 @@ class _Generator:
         return "def guard(roots, grads, counts):\n" + "\n".join(self.lines) + "\n"
 
     # -- structure: roots, then the dependency walk's discovery order --------
-    def _bind(self, node: Any, expr: str) -> None:
-        call = self.task.call_of[node]
-        if call.id in self.var:
-            self.fail_if(f"{expr} is not {self.var[call.id]}")
-            return
-        name = self.var[call.id] = f"n{call.id}"
-        self.emit(f"{name} = {expr}")
-        self.fail_if(f"type({name}) is not {self.const(type(node))}  # {type(node).__name__}")
-
     def _structure(self) -> None:
         task = self.task
         self.fail_if(f"len(roots) != {len(task.root_edges)}")
@@ -258,29 +253,52 @@ class _Generator:
         for i, (fn, nr) in enumerate(task.root_edges):
             self.emit(f"t = roots[{i}]")
             self.fail_if(f"not isinstance(t, _Tensor) or t.output_nr != {nr}")
-            known = self.task.call_of[fn].id in self.var
-            self._bind(fn, "t.grad_fn")
-            if not known:
-                order.append(fn)
-        # the walk of GraphTask._discover: a stack, popped last first
+            cid = task.call_of[fn].id
+            if cid in self.var:
+                self.fail_if(f"t.grad_fn is not {self.var[cid]}")
+                continue
+            name = self.var[cid] = f"n{cid}"
+            self.emit(f"{name} = t.grad_fn")
+            self.fail_if(f"type({name}) is not {self.const(type(fn))}  # {type(fn).__name__}")
+            order.append(fn)
+        # the walk of GraphTask._discover: a stack, popped last first. Each
+        # node's edges are unpacked in one statement (a ValueError, from
+        # another edge count, is a miss: HitGuard.__call__), then their input
+        # numbers, absent edges, the known nodes' identity and the new
+        # nodes' types are compared in one condition
         stack = list(order)
-        seen = {self.task.call_of[fn].id for fn in order}
+        seen = {task.call_of[fn].id for fn in order}
         while stack:
             fn = stack.pop()
-            src = self.var[self.task.call_of[fn].id]
-            edges = self.task.call_of[fn].edges
-            self.emit(f"e = {src}.next_functions")
-            self.fail_if(f"len(e) != {len(edges)}")
+            src = self.var[task.call_of[fn].id]
+            edges = task.call_of[fn].edges
+            if not edges:
+                self.fail_if(f"{src}.next_functions")
+                continue
+            targets, numbers, new_names, new_nodes, same, absent = [], [], [], [], [], []
             for k, (nxt, input_nr) in enumerate(edges):
                 if nxt is None:
-                    self.fail_if(f"e[{k}][0] is not None")
+                    targets.append(f"(u{k}, _)")
+                    absent.append(f"u{k} is not None")
                     continue
-                self.fail_if(f"e[{k}][1] != {input_nr}")
-                self._bind(nxt, f"e[{k}][0]")
-                nid = self.task.call_of[nxt].id
-                if nid not in seen:
-                    seen.add(nid)
+                cid = task.call_of[nxt].id
+                if cid in self.var:
+                    targets.append(f"(u{k}, i{k})")
+                    same.append(f"u{k} is not {self.var[cid]}")
+                else:
+                    name = self.var[cid] = f"n{cid}"
+                    targets.append(f"({name}, i{k})")
+                    new_names.append(name)
+                    new_nodes.append(nxt)
+                numbers.append((f"i{k}", input_nr))
+                if cid not in seen:
+                    seen.add(cid)
                     stack.append(nxt)
+            self.emit(", ".join(targets) + f", = {src}.next_functions")
+            conds = [f"{v} != {nr}" for v, nr in numbers] + absent + same
+            conds += [f"type({n}) is not {self.const(type(x))}" for n, x in zip(new_names, new_nodes)]
+            if conds:
+                self.fail_if(" or ".join(conds) + "  # " + ", ".join(type(x).__name__ for x in new_nodes))
         real = [c for c in task.calls if c.node is not None]
         names = ", ".join(self.var[c.id] for c in real)
         self.emit(f"N = ({names},)")
@@ -289,15 +307,24 @@ class _Generator:
 
     def _run_order(self) -> None:
         # the ready queue compares sequence numbers only: the same order of
-        # them (ties included) gives the same run order
+        # them, ties included, gives the same run order. With the nodes
+        # permuted into their captured sorted order, each adjacent pair must
+        # again be strictly increasing, or equal where it was a tie (a stable
+        # sort then yields the same permutation)
         real = [c for c in self.task.calls if c.node is not None]
         seq = [c.node._sequence_nr() for c in real]
         perm = sorted(range(len(seq)), key=seq.__getitem__)
-        ties = tuple(seq[a] == seq[b] for a, b in zip(perm, perm[1:]))
-        self.emit("s = [x._sequence_nr() for x in N]")
-        self.fail_if(f"sorted(range({len(seq)}), key=s.__getitem__) != {self.const(perm)}")
-        self.emit(f"s = [s[i] for i in {self.const(perm)}]")
-        self.fail_if(f"tuple(a == b for a, b in zip(s, s[1:])) != {self.const(ties)}")
+        if len(perm) < 2:
+            return
+        ordered = [seq[i] for i in perm]
+        less = [a < b for a, b in zip(ordered, ordered[1:])]
+        equal = [a == b for a, b in zip(ordered, ordered[1:])]
+        nodes = ", ".join(self.var[real[i].id] for i in perm)
+        self.emit(f"s = [x._sequence_nr() for x in ({nodes},)]")
+        self.emit("r = s[1:]")
+        self.fail_if(f"list(map(_lt, s, r)) != {self.const(less)}")
+        if any(equal):
+            self.fail_if(f"list(map(_eq, s, r)) != {self.const(equal)}")
 
     # -- the GraphTask key: root gradients, root edges ----------------------
     def _graph_task_key(self) -> None:
@@ -313,11 +340,12 @@ class _Generator:
 
     def _tensor(self, name: str, t: torch.Tensor) -> None:
         meta = (type(t), t.layout, t.dtype, t.device, t.requires_grad, t.dim())
+        self.emit(f"z = {name}.shape")
         self.fail_if(
             f"(type({name}), {name}.layout, {name}.dtype, {name}.device, "
-            f"{name}.requires_grad, {name}.dim()) != {self.const(meta)}"
+            f"{name}.requires_grad, len(z)) != {self.const(meta)}"
         )
-        self.emit(f"V += {name}.shape")
+        self.emit("V += z")
         self.emit(f"V += {name}.stride()")
         self.emit(f"V.append({name}.storage_offset())")
 
@@ -328,9 +356,10 @@ class _Generator:
             self.md_loaded.add(target.id)
             self.emit(f"m{target.id} = {name}._input_metadata")
         self.emit(f"m = m{target.id}[{input_nr}]")
+        self.emit("z = m.shape")
         meta = (False, md.dtype, md.device, len(md.shape))
-        self.fail_if(f"(m.is_nested_tensor, m.dtype, m.device, len(m.shape)) != {self.const(meta)}")
-        self.emit("V += m.shape")
+        self.fail_if(f"(m.is_nested_tensor, m.dtype, m.device, len(z)) != {self.const(meta)}")
+        self.emit("V += z")
 
     # -- one node, as Collector.collect writes it ----------------------------
     def _node(self, pos: int, call: Any) -> None:

@@ -117,6 +117,20 @@ def test_two_nodes_that_became_one_are_not_a_guarded_hit():
     assert _counts() == (2, 0, 0)
 
 
+def test_another_edge_count_or_leaf_tie_is_not_a_guarded_hit():
+    # CatBackward0 with two and three edges: the guard of the first unpacks
+    # the second's edges, fails and leaves it to the full path (a capture)
+    a, b, c = (torch.randn(3, requires_grad=True) for _ in range(3))
+    _assert_same(lambda: torch.cat([a, b]).sin().sum(), [a, b])
+    _assert_same(lambda: torch.cat([a, b, c]).sin().sum(), [a, b, c])
+    assert _counts() == (2, 0, 0)
+    # three leaves' AccumulateGrad nodes tie on their sequence number: the
+    # guard of the captured order still accepts the same graph
+    _assert_same(lambda: torch.cat([a, b, c]).sin().sum(), [a, b, c])
+    _assert_same(lambda: torch.cat([a, b]).sin().sum(), [a, b])
+    assert _counts() == (2, 2, 2)
+
+
 def test_a_hook_added_later_is_run_not_skipped():
     x = torch.randn(3, requires_grad=True)
     _assert_same(lambda: x.exp().sum(), [x])
