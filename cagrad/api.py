@@ -11,12 +11,12 @@ import torch
 import torch.fx
 
 from . import engine
-from .backends import CompilerFn
-from .cache_key import CacheKey
-from .cache import CacheNode
+from .compile.backends import CompilerFn
+from .compile.cuda_graphs import check_mode
 from .compiled_backward import CollectedBackward, check_supported_mode, collect_backward, trace_with_retries
 from .counters import counters
-from .cuda_graphs import check_mode
+from .keys.cache import CacheNode
+from .keys.cache_key import CacheKey
 
 
 def enable(
@@ -54,15 +54,15 @@ def enable(
             of them is a cache hit (torch's compiled autograd's
             STATIC -> DYNAMIC ``SizeInput``). Either way, sizes a C++ node
             keeps with no Python formula stay static (see
-            :mod:`cagrad.formulas`).
+            :mod:`cagrad.autograd.formulas`).
         mode: ``"reduce-overhead"`` replays each whole-graph compiled
             backward on CUDA as a CUDA graph (parameters read in place,
             other inputs copied into the graph's buffers; one graph per
-            tuple of sizes, at most :data:`cagrad.cuda_graphs.MAX_GRAPHS`);
+            tuple of sizes, at most :data:`cagrad.compile.cuda_graphs.MAX_GRAPHS`);
             backwards where that is not safe (opaque calls, CPU inputs,
             ``create_graph``) run without one, counted in
             ``cagrad.counters["cudagraph_skips"]`` with the reason. None or
-            ``"default"``: no CUDA graphs. See :mod:`cagrad.cuda_graphs`.
+            ``"default"``: no CUDA graphs. See :mod:`cagrad.compile.cuda_graphs`.
         cache_dir: a directory where captured graphs are kept across
             processes (warm start): a capture first looks its graph up
             there and, if found and its size check accepts the sizes,
@@ -77,7 +77,7 @@ def enable(
             than ``"eager"``, ``"aot_eager"`` and ``"inductor"``, nor graphs
             with hooks, opaque calls, custom ``autograd.Function``\\ s or
             compiled-forward (AOT) backwards (``disk_skips``). See
-            :mod:`cagrad.disk_cache` for the key and the file format.
+            :mod:`cagrad.compile.disk_cache` for the key and the file format.
 
     Contexts nest; the innermost one's compiler is used, and each compiler
     keeps its own cache until :func:`reset`. A context belongs to the thread

@@ -23,31 +23,22 @@ from typing import Any
 
 import torch
 
-from . import (
-    cuda_graphs,
-    direct_compile,
-    disk_cache,
-    events,
-    explain,
-    hit_path,
-    host,
-    logs,
-    run_context,
-    runtime,
-    saved_variables,
-    segments,
-    specialize,
-)
-from .backends import check_graph
-from .cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
-from .cache_key import CacheKey, KeyWriter
-from .compiled_node_args import Collector, write_tensor
-from .compiler import AutogradCompilerInstance, Traced
+from . import events, explain, logs
+from .autograd import run_context, saved_variables
+from .autograd.graph_task import GraphTask
+from .capture import segments
+from .capture.compiler import AutogradCompilerInstance, Traced
+from .compile import cuda_graphs, direct_compile, disk_cache, specialize
+from .compile.backends import check_graph
 from .counters import counters
 from .errors import EagerError, HookTraceFailed, NodeTraceFailed, Unsupported
-from .graph_task import GraphTask
-from .hooks_census import Census
-from .sizes import tighten
+from .hooks.hooks_census import Census
+from .keys import hit_path
+from .keys.cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict
+from .keys.cache_key import CacheKey, KeyWriter
+from .keys.compiled_node_args import Collector, write_tensor
+from .keys.sizes import tighten
+from .run import host, runtime
 
 log = logging.getLogger("cagrad")
 
@@ -78,7 +69,7 @@ def check_supported_mode(create_graph: bool = False) -> None:
     """Raises Unsupported for global modes this version does not compile.
 
     ``create_graph=True`` is compiled: the graph runs with grad mode on, so
-    its result is differentiable as eager's (see :mod:`cagrad.run_context`).
+    its result is differentiable as eager's (see :mod:`cagrad.autograd.run_context`).
     """
     if torch.is_anomaly_enabled():
         raise Unsupported("anomaly_mode", "anomaly detection checks every node in eager")
@@ -150,7 +141,7 @@ def trace(
         profile: None patterns seen at speculative calls before.
         dynamic_slots: size slots to trace as symbols.
         distinct_slots: of those, slots not duck-sized with slots outside
-            them (see :class:`~cagrad.compiler.AutogradCompilerInstance`).
+            them (see :class:`~cagrad.capture.compiler.AutogradCompilerInstance`).
         force_opaque: run-order positions of nodes to call as they are
             instead of tracing them (they failed to trace before).
 
@@ -254,9 +245,9 @@ def run(
     """Runs one backward through cagrad, or through eager when it must.
 
     ``cuda_graphs``: wrap new whole-graph entries in
-    :class:`~cagrad.cuda_graphs.CudaGraphed` (``mode="reduce-overhead"``).
+    :class:`~cagrad.compile.cuda_graphs.CudaGraphed` (``mode="reduce-overhead"``).
     ``disk``: where captures are looked up before tracing and stored after
-    compiling (:mod:`cagrad.disk_cache`); its
+    compiling (:mod:`cagrad.compile.disk_cache`); its
     :class:`~cagrad.errors.CacheFileError` propagates.
     """
     counters.bump("backwards")
@@ -387,7 +378,7 @@ def _run_guarded(
     counters.bump("cache_hits")
     counters.bump("guard_hits")
     if not call.keep_graph:
-        # the graph holds the lifted tensors from here on (cagrad.boxed)
+        # the graph holds the lifted tensors from here on (cagrad.compile.boxed)
         order = hit.order
         if not saved_variables.release_nodes([order[pos] for pos in guard.release_positions]):
             runtime.release_slots([(order[pos], attr, index) for pos, attr, index in guard.release_slots])
@@ -399,7 +390,7 @@ def _run_guarded(
 
 def _prepare_symbolic(entry: CompiledEntry, graph_sizes: list[int], values: Sequence[int]) -> None:
     """Compiles a static-first graph's symbolic code before its first call
-    at sizes it was not compiled for (:func:`cagrad.direct_compile.
+    at sizes it was not compiled for (:func:`cagrad.compile.direct_compile.
     compile_graph`), while the backward can still fall back: the size
     guards the backend adds join the entry's SizeCheck, which must still
     accept these sizes.
@@ -450,7 +441,7 @@ def _verify_hit(call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, 
 
     Raises:
         RuntimeError: the guard accepted a backward that the full collection
-            keys or lifts differently (a bug in :mod:`cagrad.hit_path`).
+            keys or lifts differently (a bug in :mod:`cagrad.keys.hit_path`).
     """
     collected = collect_backward(call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad)
     problems = []
@@ -521,8 +512,8 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool) -> frozenset[int]
 
 def _use_cuda_graphs(entry: CompiledEntry, create_graph: bool, compiler_fn: Any) -> None:
     """Wraps a fresh entry's compiled backward for CUDA graph replay, or
-    counts why it stays as it is (:mod:`cagrad.cuda_graphs`). Graphs of a
-    backend that specializes (:mod:`cagrad.specialize`) warm up one call
+    counts why it stays as it is (:mod:`cagrad.compile.cuda_graphs`). Graphs of a
+    backend that specializes (:mod:`cagrad.compile.specialize`) warm up one call
     more, so that the graph records the specialized code."""
     why = cuda_graphs.unsafe_reason(entry.traced, create_graph)
     if why is not None:

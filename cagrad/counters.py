@@ -14,7 +14,7 @@ _INT_KEYS = (
     "backwards",  # backward passes that entered cagrad
     "captures",  # backward passes that were traced into a new graph
     "cache_hits",  # backward passes that reused a compiled graph
-    "guard_hits",  # of those, the ones a generated hit guard accepted (cagrad.hit_path)
+    "guard_hits",  # of those, the ones a generated hit guard accepted (cagrad.keys.hit_path)
     "fallbacks",  # backward passes run by eager autograd instead
     "recompiles_shape",  # captures caused by sizes that differ from a cached graph
     "recompiles_new_node",  # captures caused by a node or attribute never seen there
@@ -26,14 +26,14 @@ _INT_KEYS = (
     # compiles them on their first call and guards them)
     "nodes_forced_opaque",  # nodes that failed to trace and run as they are in
     # their compiled backward (the rest of the graph stays compiled)
-    "cudagraph_records",  # CUDA graphs recorded (mode="reduce-overhead", cagrad.cuda_graphs)
+    "cudagraph_records",  # CUDA graphs recorded (mode="reduce-overhead", cagrad.compile.cuda_graphs)
     "cudagraph_replays",  # compiled backwards replayed as a CUDA graph
     "cudagraph_skips",  # compiled backwards of that mode run without a graph
-    "disk_hits",  # captures loaded from the disk cache instead of traced (cagrad.disk_cache)
+    "disk_hits",  # captures loaded from the disk cache instead of traced (cagrad.compile.disk_cache)
     "disk_stores",  # captures written to the disk cache
     "disk_skips",  # captures with a disk cache that were not written (reason logged at DEBUG)
-    "specializations",  # static compiles of a symbolic graph for sizes it runs at (cagrad.specialize)
-    "hooks_traced",  # tensor hook dicts traced into a captured graph (cagrad.hook_tracing)
+    "specializations",  # static compiles of a symbolic graph for sizes it runs at (cagrad.compile.specialize)
+    "hooks_traced",  # tensor hook dicts traced into a captured graph (cagrad.hooks.hook_tracing)
     "hooks_opaque",  # of the dicts chosen for tracing, ones that did not trace and run opaque
 )
 
@@ -46,14 +46,14 @@ class Counters(Mapping[str, Any]):
     ``recompiles_new_node``, ``deopts``, ``segment_compile_failures``,
     ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
     ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
-    ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.disk_cache`;
+    ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.compile.disk_cache`;
     a disk hit is a capture too: ``captures`` counts it),
-    ``specializations`` (:mod:`cagrad.specialize`);
+    ``specializations`` (:mod:`cagrad.compile.specialize`);
     ``fallback_reasons``, a ``collections.Counter`` from reason slug (see
     :class:`cagrad.errors.Unsupported`) to the number of backward passes that
     fell back for it; ``opaque_reasons``, the same for nodes forced to
     run as they are; and ``cudagraph_skip_reasons``, the same for compiled
-    backwards run without a CUDA graph (:mod:`cagrad.cuda_graphs`). ``cagrad.reset()`` sets them all to zero in place, so a
+    backwards run without a CUDA graph (:mod:`cagrad.compile.cuda_graphs`). ``cagrad.reset()`` sets them all to zero in place, so a
     reference to this object stays valid.
     """
 

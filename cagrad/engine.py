@@ -23,10 +23,11 @@ import torch
 import torch._dynamo
 from torch.autograd.variable import Variable
 
-from . import compiled_backward, run_context
-from .backends import CompilerFn, resolve
-from .cache import CacheNode
-from .disk_cache import DiskCache, resolve_dir
+from . import compiled_backward
+from .autograd import run_context
+from .compile.backends import CompilerFn, resolve
+from .compile.disk_cache import DiskCache, resolve_dir
+from .keys.cache import CacheNode
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,8 +38,8 @@ class EnableState:
     dynamic: bool
     compile_graph: Callable[..., Any]
     cache: CacheNode
-    cuda_graphs: bool = False  # mode="reduce-overhead" (cagrad.cuda_graphs)
-    disk: DiskCache | None = None  # cache_dir (cagrad.disk_cache)
+    cuda_graphs: bool = False  # mode="reduce-overhead" (cagrad.compile.cuda_graphs)
+    disk: DiskCache | None = None  # cache_dir (cagrad.compile.disk_cache)
 
 
 # guards the caches, the counters and the engine swap; a cagrad backward holds
@@ -83,7 +84,7 @@ class CagradEngine:
     in a thread inside a ``cagrad.enable`` context; in every other thread
     (the object is process-wide, as torch's is) it is torch's engine.
     ``queue_callback`` queues on the cagrad backward running in this thread
-    (see :mod:`cagrad.run_context`), else on torch's. Other attributes
+    (see :mod:`cagrad.autograd.run_context`), else on torch's. Other attributes
     (``is_checkpoint_valid``, ...) are torch's engine's own.
     """
 
@@ -169,7 +170,7 @@ _engine = CagradEngine(_eager_engine)
 
 def push(compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False, cache_dir: Any = None) -> EnableState:
     """Activates a compiler in this thread; installs the engine on the first
-    context of any thread. ``cache_dir``: see :func:`cagrad.disk_cache.resolve_dir`."""
+    context of any thread. ``cache_dir``: see :func:`cagrad.compile.disk_cache.resolve_dir`."""
     global _open_contexts
     directory = resolve_dir(cache_dir)
     state = EnableState(

@@ -1,6 +1,6 @@
 """Why a backward misses the cache: the closest cached entry and what differs.
 
-A backward's keys are looked up in the trie (:mod:`cagrad.cache`): the
+A backward's keys are looked up in the trie (:mod:`cagrad.keys.cache`): the
 longest cached prefix ends either before a key (a node never seen at that
 position, or seen with other key bytes) or at an entry whose size checks
 reject the backward's sizes. :func:`diagnose` names the difference the way
@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from .cache import CacheNode
-from .cache_key import CacheKey
-from .sizes import SizeCheck, SizeInputs
+from .keys.cache import CacheNode
+from .keys.cache_key import CacheKey
+from .keys.sizes import SizeCheck, SizeInputs
 
 
 @dataclasses.dataclass

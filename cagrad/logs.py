@@ -8,7 +8,7 @@ Loggers (standard :mod:`logging`):
   and its index, the first differing byte of a key, or the sizes that
   changed and became dynamic (see :mod:`cagrad.explain`);
 * ``cagrad.guards``: the generated hit guard of each captured graph, or why
-  a graph gets none (DEBUG; see :mod:`cagrad.hit_path`).
+  a graph gets none (DEBUG; see :mod:`cagrad.keys.hit_path`).
 
 Switch them on with the environment variable ``CAGRAD_LOGS`` (read at
 import), a comma-separated list like ``TORCH_LOGS``: ``graph`` (captured

@@ -152,7 +152,7 @@ class Hook:
       ``g`` again under ``"<label> callback"`` after the whole backward;
       ``pure_scale`` and ``pure_shift`` return ``g * arg`` and ``g + arg``
       and record nothing: pure functions of the gradient, which cagrad
-      traces into its graph (``cagrad.hook_tracing``) where nothing else of
+      traces into its graph (``cagrad.hooks.hook_tracing``) where nothing else of
       the user's runs in the backward;
     * ``"retain_grad"``: ``target.retain_grad()`` on a non-leaf; its
       ``.grad`` is compared after the backward like a leaf's;

@@ -304,7 +304,7 @@ def _draw_resizes(draw: Any, cfg: GenConfig, program: Program) -> Program:
     About one sequence in three then repeats one of its steps: sizes seen
     before must cost no capture, must not run code compiled for other
     sizes (a wrong cache hit), and a second call at the same sizes is when
-    inductor graphs get their static compile (:mod:`cagrad.specialize`).
+    inductor graphs get their static compile (:mod:`cagrad.compile.specialize`).
     Shrinks to no steps."""
     olds = sorted({d for d in program.leaf_sizes() if d >= 2})
     if not olds or draw(st.integers(0, 2)) != 2:

@@ -1,7 +1,7 @@
 """Readable cache keys: each key's fields, named, recorded as they are written.
 
 While :func:`recording` is active, cagrad's collectors write keys with
-:class:`AnnotatingKeyWriter`, a :class:`cagrad.cache_key.KeyWriter` that
+:class:`AnnotatingKeyWriter`, a :class:`cagrad.keys.cache_key.KeyWriter` that
 also records, for every outermost write (``size``, ``tag``, ``value``,
 ``dtype``, ``device``, ``text``, ``int``), a :class:`Field`: a name, the value
 written and the exact bytes it produced. The bytes are the writer's own, so
@@ -30,8 +30,8 @@ import torch
 
 from cagrad import CacheKey
 from cagrad import compiled_backward as _compiled_backward
-from cagrad import compiled_node_args as _compiled_node_args
-from cagrad.cache_key import KeyWriter
+from cagrad.keys import compiled_node_args as _compiled_node_args
+from cagrad.keys.cache_key import KeyWriter
 
 UNNAMED = "?"  #: prefix of a field whose call site is not in the label table
 

@@ -38,7 +38,7 @@ come one variant late, never more of them); each allowed capture counts as
 many graphs as the first variant captured (a program whose second backward
 differs in a node captures twice at every size). A graph that
 keeps sizes static by design (cagrad: a generated node with ``SymInt``
-attributes and no Python formula, see ``cagrad.formulas``; the subject names
+attributes and no Python formula, see ``cagrad.autograd.formulas``; the subject names
 them, :meth:`harness.subjects.Subject.static_sizes`) is checked by the
 weaker rule: shapes seen before, no capture; new shapes, at most one. A
 graph dropped after a failed speculation (cagrad's ``deopts``) allows one

@@ -173,7 +173,7 @@ class CagradSubject(Subject):
         (nothing runs) and reports its size slots' values
         (:attr:`SizeProbe.size_values`) and what may cost captures beyond
         the rule by design (:attr:`SizeProbe.static`): generated nodes with
-        ``SymInt`` attributes and no Python formula (``cagrad.formulas``:
+        ``SymInt`` attributes and no Python formula (``cagrad.autograd.formulas``:
         their sizes stay static), sizes the trace specialized to a constant
         >= 2 (a C++ node's formula that reads a size as an int), and guards
         the trace recorded on the symbols (a new size that breaks one
@@ -181,8 +181,8 @@ class CagradSubject(Subject):
         import operator
 
         cagrad = self._cagrad()
-        from cagrad.formulas import FORMULAS
-        from cagrad.node_schema import NodeKind, schema_of
+        from cagrad.autograd.formulas import FORMULAS
+        from cagrad.autograd.node_schema import NodeKind, schema_of
 
         found = set()
         for node in graph_nodes(run.outputs):

@@ -14,7 +14,7 @@ Tests that set ``max_examples`` themselves wrap the number in
 
 Every test runs with ``CAGRAD_VERIFY_GUARDS=1``: each backward a generated
 hit guard accepts is also collected in full and compared with it
-(:mod:`cagrad.hit_path`); worker processes the tests spawn inherit it.
+(:mod:`cagrad.keys.hit_path`); worker processes the tests spawn inherit it.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_model_trains_like_eager_on_cuda(name, backend):
             torch.testing.assert_close(a, e, **TOL, msg=lambda m: f"step {step} param {i}: {m}")
     if name == "lstm" and backend == "inductor":
         # inductor must never compile cuDNN's RNN backward (on its denylist in
-        # cagrad/backends.py): the node runs as itself inside the compiled
+        # cagrad/compile/backends.py): the node runs as itself inside the compiled
         # backward (forced opaque when its trace fails, torch 2.11), or every
         # step falls back, counted; the gradients are eager's either way
         reasons = dict(cagrad.counters["fallback_reasons"])
@@ -80,7 +80,7 @@ def test_lifted_scalar_beside_cuda_tensors_compiles_under_inductor(scale):
     """A Python scalar in a backward formula (``x.sin() * scale``, the 1/n of
     gradient accumulation) is lifted as a 0-dim CPU tensor; inductor's CUDA
     code reads it with ``.item()``, which fails under AOTAutograd's first-call
-    custom-op aliasing check on torch 2.11 (see cagrad/backends.py). It must
+    custom-op aliasing check on torch 2.11 (see cagrad/compile/backends.py). It must
     compile, and stay compiled when the scalar changes."""
     x = torch.randn(64, device="cuda", requires_grad=True)
     for step in range(3):

@@ -100,7 +100,7 @@ def _child(cell: dict[str, Any]) -> FirstCell:
 
     import cagrad
     from cagrad import events
-    from cagrad.graph_task import GraphTask
+    from cagrad.autograd.graph_task import GraphTask
 
     from .subjects import SUBJECTS, backward_in
     from .workloads import WORKLOADS

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 import cagrad
-from cagrad import runtime
-from cagrad.graph_task import GraphTask
+from cagrad.run import runtime
+from cagrad.autograd.graph_task import GraphTask
 
 from .subjects import Subject, backward_in
 from .workloads import Workload

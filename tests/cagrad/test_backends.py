@@ -1,4 +1,4 @@
-"""cagrad/backends.py: the call wrapper for graphs that read a lifted scalar
+"""cagrad/compile/backends.py: the call wrapper for graphs that read a lifted scalar
 beside CUDA tensors (their end-to-end test needs a GPU:
 tests/test_models_cuda.py::test_lifted_scalar_beside_cuda_tensors_compiles_under_inductor).
 """
@@ -14,7 +14,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cagrad
-from cagrad import backends
+from cagrad.compile import backends
 
 
 def _graph(*devices_and_shapes):

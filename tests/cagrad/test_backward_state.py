@@ -22,7 +22,7 @@ import torch
 from torch._dynamo import compiled_autograd
 
 import cagrad
-import cagrad.interpreter
+import cagrad.run.interpreter
 import cagrad.torch_compat as tc
 from tests.cagrad.conftest import same_trace
 
@@ -234,13 +234,13 @@ class _NoGrad(torch.autograd.Function):
 
 def test_hooked_backward_finished_by_the_interpreter(monkeypatch) -> None:
     interpreted = []
-    original = cagrad.interpreter.Interpreter.apply_aot
+    original = cagrad.run.interpreter.Interpreter.apply_aot
 
     def spy(self, pos, call, plan, inputs):
         interpreted.append(call.name)
         return original(self, pos, call, plan, inputs)
 
-    monkeypatch.setattr(cagrad.interpreter.Interpreter, "apply_aot", spy)
+    monkeypatch.setattr(cagrad.run.interpreter.Interpreter, "apply_aot", spy)
 
     def fn(x, w, trace):
         y = x @ w

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import cagrad
-from cagrad import compiler, custom_function
+from cagrad.capture import compiler
+from cagrad.autograd import custom_function
 from tests.models import MODELS, loss_fn
 
 AOT_CALL = "call_custom_function"
@@ -27,7 +28,7 @@ def _opaque_calls(graph_module: torch.fx.GraphModule) -> list[str]:
     return [
         n.target.__name__
         for n in graph_module.graph.nodes
-        if n.op == "call_function" and getattr(n.target, "__module__", "") == "cagrad.runtime_ops"
+        if n.op == "call_function" and getattr(n.target, "__module__", "") == "cagrad.capture.runtime_ops"
     ]
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import cagrad
-from cagrad import cuda_graphs
+from cagrad.compile import cuda_graphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

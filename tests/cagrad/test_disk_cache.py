@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import cagrad
-from cagrad import disk_cache, graph_serde
+from cagrad.compile import disk_cache, graph_serde
 
 from .conftest import same
 
@@ -407,7 +407,7 @@ def test_a_record_names_only_known_targets_and_heads():
 
 def test_a_record_is_checked_by_rebuilding_it_before_it_is_written():
     from cagrad import compiled_backward
-    from cagrad.cache import CacheNode
+    from cagrad.keys.cache import CacheNode
 
     torch.manual_seed(0)
     loss = _model()(torch.randn(4, 6)).square().mean()

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cagrad import formulas
-from cagrad.validate import real_metadata
+from cagrad.autograd import formulas
+from cagrad.autograd.validate import real_metadata
 
 
 def _examples():

@@ -13,7 +13,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from cagrad.graph_task import GraphTask
+from cagrad.autograd.graph_task import GraphTask
 from tests.conftest import examples
 
 UNARY = [torch.sin, torch.exp, torch.tanh, lambda t: t * 1.5, lambda t: t.sum(0, keepdim=True)]

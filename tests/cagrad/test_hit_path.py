@@ -1,4 +1,4 @@
-"""The generated hit guards (cagrad.hit_path): a guard makes hits cheaper,
+"""The generated hit guards (cagrad.keys.hit_path): a guard makes hits cheaper,
 never creates one. Every backward here is compared with eager autograd, and
 the suite runs with CAGRAD_VERIFY_GUARDS=1, so each guarded hit is also
 checked against the full collection."""

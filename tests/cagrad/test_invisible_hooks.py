@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import cagrad
-from cagrad import _hook_counts, hooks_census
+from cagrad.autograd import _hook_counts
+from cagrad.hooks import hooks_census
 
 from .conftest import run_both_traced, same, same_trace
 
@@ -37,7 +38,7 @@ using torch::autograd::FunctionPreHook;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-struct CppFunctionObject {  // THPCppFunction (see cagrad/_hook_counts.py)
+struct CppFunctionObject {  // THPCppFunction (see cagrad/autograd/_hook_counts.py)
   PyObject_HEAD
   c10::intrusive_ptr<Node> cdata;
 };

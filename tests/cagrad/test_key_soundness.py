@@ -5,7 +5,7 @@ the op, built from the same leaf values, whose eager gradients differ, must
 differ in what cagrad's cache compares: the key bytes (``GraphTask`` key and
 every node's :class:`cagrad.CacheKey`) or the size slot values (sizes are
 not key bytes but graph inputs checked per compiled variant, see
-:mod:`cagrad.sizes`). Where they do not, the attribute reaches the graph
+:mod:`cagrad.keys.sizes`). Where they do not, the attribute reaches the graph
 another way (a scalar saved as a wrapped tensor and lifted as an input, an
 index tensor, a node that runs as itself and reads its own state), and the
 test proves it: the second program, run under ``cagrad.enable("eager")``
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cagrad
-from cagrad import compiled_node_args
+from cagrad.keys import compiled_node_args
 from cagrad.api import backward_arguments, collect_or_raise
 from cagrad.errors import Unsupported
 from fuzz import ops as catalog

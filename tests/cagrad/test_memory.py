@@ -105,7 +105,7 @@ def _in_graph(frame) -> bool:
 def test_compiled_graph_frees_saved_activation_while_it_runs(backend, guarded, device, monkeypatch):
     """On a cache hit without retain_graph the graph holds the only
     reference to each saved tensor it reads and frees it after its last use
-    (cagrad.boxed), as eager frees it after SinBackward0: every call the
+    (cagrad.compile.boxed), as eager frees it after SinBackward0: every call the
     graph's code makes is watched (``sys.setprofile``), and ``h`` must be
     alive at the first and gone at the last. The gradients are eager's."""
     import gc
@@ -113,7 +113,7 @@ def test_compiled_graph_frees_saved_activation_while_it_runs(backend, guarded, d
 
     from cagrad import compiled_backward
 
-    gc.collect()  # hooks of earlier tests' dead graphs would keep guards off (cagrad.hit_path)
+    gc.collect()  # hooks of earlier tests' dead graphs would keep guards off (cagrad.keys.hit_path)
 
     alive_at_call: list[bool] = []
 
@@ -152,7 +152,7 @@ def test_a_second_backward_raises_eagers_error(release, monkeypatch):
     ``Node::release_variables`` (the C++ extension), or slot by slot in
     Python where it cannot be built; either way a second backward raises
     the error eager raises."""
-    from cagrad import _hook_counts
+    from cagrad.autograd import _hook_counts
 
     if release == "python":
         monkeypatch.setattr(_hook_counts, "_counts", False)

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from cagrad.ready_queue import ReadyQueue
+from cagrad.autograd.ready_queue import ReadyQueue
 
 CPP = r"""
 #include <cstdio>

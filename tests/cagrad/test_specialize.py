@@ -1,4 +1,4 @@
-"""Static specializations (:mod:`cagrad.specialize`): a symbolic inductor
+"""Static specializations (:mod:`cagrad.compile.specialize`): a symbolic inductor
 graph is compiled at capture for the capture's sizes only; its symbolic code
 is compiled at the first backward at other sizes (its size guards then
 checked), and a second backward at one tuple of sizes compiles a
@@ -18,7 +18,8 @@ from torch import nn
 from torch._dynamo.backends.registry import register_backend
 
 import cagrad
-from cagrad import compiled_backward, specialize
+from cagrad import compiled_backward
+from cagrad.compile import specialize
 
 
 def _model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""Tensor hooks traced into the graph (cagrad.hook_tracing).
+"""Tensor hooks traced into the graph (cagrad.hooks.hook_tracing).
 
 A hook that is a pure tensor function of its gradient is traced like a
 backward formula, so the backward compiles as one graph; the hook's
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import cagrad
-from cagrad import runtime_ops
-from cagrad.hook_tracing import FINGERPRINT_BYTES, fingerprint
+from cagrad.capture import runtime_ops
+from cagrad.hooks.hook_tracing import FINGERPRINT_BYTES, fingerprint
 
 from .conftest import same
 

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 import harness
-from cagrad import compiled_node_args
+from cagrad.keys import compiled_node_args
 
 NODE, ATTRIBUTE = os.environ.get("CAGRAD_PLANTED_KEY_FAULT", "CumsumBackward0.dim").split(".")
 

@@ -479,7 +479,7 @@ def test_cagrad_runs_queued_callbacks_as_eager(cagrad_oracle: Oracle) -> None:
 
 def test_pure_hooks_of_a_program_are_traced_and_agree(cagrad_oracle: Oracle) -> None:
     """``pure_scale``/``pure_shift`` hooks record nothing, so cagrad traces
-    them into its graph (cagrad.hook_tracing); gradients stay eager's, and a
+    them into its graph (cagrad.hooks.hook_tracing); gradients stay eager's, and a
     hook with another ``arg`` (the neighbour a wrong cache hit would miss)
     too."""
     import cagrad

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import cagrad
-from cagrad import compiled_node_args
+from cagrad.keys import compiled_node_args
 from fuzz.ir import Hook, Leaf, Op, Program, validate
 from fuzz.neighbours import CHANGE_KINDS, derive, neighbours
 from fuzz.oracle import Oracle
@@ -146,7 +146,7 @@ def one_fake_per_tensor(monkeypatch: pytest.MonkeyPatch, fresh_cagrad: None) -> 
     """Plants the fault the alias neighbours were added for: a tensor
     lifted at two positions gets one fake, so the graph reads one position
     for both (what static captures did before the fix)."""
-    from cagrad.compiler import AutogradCompilerInstance
+    from cagrad.capture.compiler import AutogradCompilerInstance
 
     original = AutogradCompilerInstance._lifted_fake
 

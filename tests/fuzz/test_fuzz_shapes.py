@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 
 from fuzz.cli import main
-from fuzz.interpret import IRProgram, eager_grads
+from fuzz.interpret import eager_grads
 from fuzz.ir import IRError, Leaf, Op, Program, validate
 from fuzz.oracle import Oracle
 from fuzz.reduce import candidates, reduce_program
@@ -170,7 +170,7 @@ def test_reproducer_replays_the_sequence(tmp_path: Path) -> None:
         ("cagrad[eager]", (6, 9), [1, 0, 0]),
         ("cagrad[eager,static]", (6, 9), [1, 1, 0]),
         ("cagrad[eager,static]", (6, 9, 6), [1, 1, 0, 0]),
-        # the second backward at 6 runs inductor code compiled for 6 (cagrad.specialize)
+        # the second backward at 6 runs inductor code compiled for 6 (cagrad.compile.specialize)
         ("cagrad[inductor]", (6, 6, 9), [1, 0, 0, 0]),
     ],
 )

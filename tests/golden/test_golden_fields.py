@@ -8,11 +8,11 @@ import shutil
 import pytest
 
 from cagrad import CacheKey
-from cagrad import compiled_node_args
+from cagrad.keys import compiled_node_args
 from golden_graphs import key_fields, scenarios
 from golden_graphs.key_fields import Field, field_diff
 from golden_graphs.snapshot import SnapshotError, parse, render
-from golden_graphs.store import DEFAULT_ROOT, torch_version
+from golden_graphs.store import DEFAULT_ROOT
 from golden_graphs.take import take
 
 from .conftest import cli
@@ -31,7 +31,7 @@ def test_fields_add_up_to_the_key_and_name_every_write():
 
 def test_committed_snapshots_name_every_field(committed):
     for path in committed.dir.glob("*.txt"):
-        bad = [line for line in path.read_text().splitlines() if line.startswith(f"    [") and "] ?" in line]
+        bad = [line for line in path.read_text().splitlines() if line.startswith("    [") and "] ?" in line]
         assert not bad, (path.name, bad[:3])
 
 

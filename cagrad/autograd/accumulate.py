@@ -1,0 +1,192 @@
+"""AccumulateGrad: how a leaf's gradient lands in ``.grad``.
+
+Follows ``AccumulateGrad::accumulateGrad`` (torch/csrc/autograd/functions/
+accumulate_grad.h), dense (strided) and sparse COO gradients alike. With
+grad mode off (a backward without ``create_graph``):
+
+* ``.grad`` unset, dense gradient: the gradient becomes ``.grad`` itself
+  when nothing else refers to it and it obeys the gradient layout contract;
+  otherwise a copy laid out by the contract does (``clone_obey_contract``).
+* ``.grad`` unset, sparse gradient: never the gradient itself. Eager makes
+  a new sparse tensor over the same indices and values when nothing else
+  refers to them (its coalesced flag then reads False), else a ``clone()``.
+  cagrad cannot see C++ use counts, so it takes the first form with copied
+  indices and values whenever both are contiguous (the same values and
+  flag, no alias anyone could observe), else ``clone()``.
+* ``.grad`` set and sparse, dense gradient: the sum is dense, so ``.grad``
+  is replaced by ``grad + .grad`` (a new tensor).
+* ``.grad`` set otherwise (dense or sparse, gradient dense or sparse): the
+  gradient is added into it in place, so ``.grad`` stays the same object and
+  a reference to it held elsewhere (an optimizer's) sees the sum.
+
+With ``create_graph=True`` (grad mode on) ``.grad`` is replaced, never
+updated in place: a copy (laid out by the contract if dense, ``clone()`` if
+sparse), or the out-of-place sum (``grad + .grad`` when only ``.grad`` is
+sparse, since sparse + dense is not defined), both recorded by autograd so
+that ``.grad`` can be differentiated.
+
+The layout contract (``obeys_layout_contract`` in
+torch/csrc/autograd/utils/grad_layout_contract.h): for a leaf whose strides
+are non-overlapping and dense, ``.grad`` has the leaf's strides (dims of size
+1 excepted, but never stride 0); otherwise ``.grad`` is contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import run_context
+
+
+def dense_strides(shape: tuple[int, ...] | torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether a layout's elements fill its storage span exactly once.
+
+    Same rule as ``TensorImpl::compute_non_overlapping_and_dense`` (with
+    ``is_contiguous`` first, as ``refresh_contiguous`` does): sorted by
+    stride, each dimension of size 2 or more must have the stride of the
+    product of the sizes before it; dimensions of size 0 or 1 do not count,
+    and a tensor with no elements qualifies.
+    """
+    if any(s == 0 for s in shape):
+        return True
+    dims = sorted((d for d in range(len(shape)) if shape[d] >= 2), key=lambda d: strides[d])
+    expected = 1
+    for d in dims:
+        if strides[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """:func:`dense_strides` of a tensor's layout."""
+    return dense_strides(t.shape, t.stride())
+
+
+def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
+    if variable.is_nested or grad.is_sparse or variable.is_sparse:
+        return False
+    if 1 not in variable.shape and variable.is_contiguous() and grad.is_contiguous():
+        # the common case, decided in C: equal shapes (validate_outputs) and
+        # no size-1 dim, so both have the contiguous strides
+        return True
+    if is_non_overlapping_and_dense(variable):
+        for size, gs, vs in zip(grad.shape, grad.stride(), variable.stride()):
+            if size != 1:
+                if gs != vs:
+                    return False
+            elif gs == 0:
+                return False
+        return True
+    return grad.is_contiguous()
+
+
+def clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
+    if is_non_overlapping_and_dense(variable):
+        out = grad.new_empty_strided(variable.shape, variable.stride())
+        return out.copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def _sparse_copy(grad: torch.Tensor) -> torch.Tensor:
+    """A first sparse ``.grad`` made from ``grad`` (grad mode off).
+
+    Eager's ``at::_sparse_coo_tensor_unsafe(indices, values, ...)`` when
+    indices and values are contiguous (a new tensor whose coalesced flag is
+    False), here over copies of them; ``grad.clone()`` otherwise.
+    """
+    indices, values = grad._indices(), grad._values()
+    if indices.is_contiguous() and values.is_contiguous():
+        return torch.ops.aten._sparse_coo_tensor_unsafe(
+            indices.clone(), values.clone(), grad.shape, dtype=grad.dtype, device=grad.device
+        )
+    return grad.clone()
+
+
+def _sum(old: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``old + grad`` out of place; ``grad + old`` when only ``old`` is sparse
+    (sparse + dense is not defined, dense + sparse is)."""
+    if old.is_sparse and not grad.is_sparse:
+        return grad + old
+    return old + grad
+
+
+def accumulate_grad(
+    variable: torch.Tensor, grad: torch.Tensor, stealable: bool, create_graph: bool | None = None
+) -> None:
+    """Adds ``grad`` into ``variable.grad`` as eager's AccumulateGrad does.
+
+    Every mix of dense (strided) and sparse COO ``grad`` and ``.grad``
+    follows ``AccumulateGrad::accumulateGrad`` (see the module docstring):
+    ``.grad`` keeps its identity where eager adds in place (dense or sparse
+    ``.grad`` plus any gradient, except sparse ``.grad`` plus a dense one).
+
+    Args:
+        variable: a leaf tensor that requires grad (strided).
+        grad: its gradient: same shape, dtype and device as ``variable``
+            (``validate_outputs`` made it so); strided or sparse COO.
+        stealable: True when no other tensor shares ``grad``'s storage, so a
+            dense ``grad`` may become ``.grad`` without a copy (a sparse one
+            never does, as in eager).
+        create_graph: whether the backward builds a graph of its own
+            (:func:`cagrad.autograd.run_context.create_graph`, read here if None).
+            A caller that passes False and calls this for many leaves may
+            hold grad mode off around all of them (:func:`accumulate_all`).
+
+    Raises:
+        RuntimeError: from the ``.grad`` setter if ``grad`` does not match
+            ``variable`` (cannot happen after ``validate_outputs``).
+    """
+    if not variable.requires_grad:
+        return  # requires_grad was switched off after the forward
+    if create_graph is None:
+        create_graph = run_context.create_graph()
+    if create_graph:
+        # grad mode on (create_graph=True): never in place and never stolen,
+        # so that .grad is differentiable (accumulateGrad's GradMode branch)
+        with torch.enable_grad():
+            old = variable.grad
+            if old is None:
+                if grad.is_sparse:
+                    variable.grad = grad.clone()
+                else:
+                    variable.grad = clone_obey_contract(grad, variable)
+            else:
+                variable.grad = _sum(old, grad)
+        return
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            _accumulate_no_grad(variable, grad, stealable)
+    else:
+        _accumulate_no_grad(variable, grad, stealable)
+
+
+def _accumulate_no_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: bool) -> None:
+    old = variable.grad
+    if old is None:
+        if grad.is_sparse:
+            variable.grad = _sparse_copy(grad)
+        elif stealable and obeys_layout_contract(grad, variable):
+            variable.grad = grad
+        else:
+            variable.grad = clone_obey_contract(grad, variable)
+    elif old.is_sparse and not grad.is_sparse:
+        variable.grad = grad + old
+    else:
+        old.add_(grad)
+
+
+def accumulate_all(pairs: Any, stealable: Any) -> None:
+    """:func:`accumulate_grad` for each ``(variable, grad, index)`` of
+    ``pairs`` with ``stealable[index]``, reading the backward's
+    ``create_graph`` once and switching grad mode off once."""
+    create_graph = run_context.create_graph()
+    if create_graph:
+        for variable, grad, i in pairs:
+            accumulate_grad(variable, grad, stealable[i], True)
+        return
+    with torch.no_grad():
+        for variable, grad, i in pairs:
+            accumulate_grad(variable, grad, stealable[i], False)

@@ -1,0 +1,422 @@
+"""Running a captured graph that contains opaque calls.
+
+A graph with hooks or opaque nodes is cut at each opaque call: the runs of
+tensor ops between them become *segments*, each its own GraphModule (same
+``(inputs, sizes, scalars, hooks, packed_inputs)`` signature) that
+``compiler_fn`` compiles; the opaque calls run in Python with the current
+backward's objects, in the graph's order, which is eager's.
+
+After an opaque call the result is checked against what the trace assumed
+(:mod:`cagrad.autograd.walk`): a gradient with other strides is copied into the
+assumed layout (values unchanged); a None where the trace assumed a gradient
+cannot be run by the compiled segments, so the interpreter finishes the
+backward from that call's :class:`~cagrad.autograd.walk.ResumePoint` with the values
+computed so far. The result is eager's either way.
+
+A gradient that is not strided (sparse COO: a custom Function's backward or
+a node run as it is, such as ``EmbeddingBackward0`` with ``sparse=True``,
+may return one; the engine's ``validate_outputs`` lets it through) where the
+trace assumed a strided one is handed on as it is when only opaque calls use
+it (accumulation into ``.grad``, hooks, nodes run as they are, which all run
+eager's code on it) or it is an ``autograd.grad`` result (see
+:func:`layout_free`); a traced op would compute something else with it, so
+otherwise the interpreter finishes the backward, and the recapture that
+follows falls back (:data:`NON_STRIDED`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..autograd.walk import MUST_BE_NONE
+from ..counters import counters
+from . import runtime_ops
+from .compiler import OPAQUE_TARGETS, PLACEHOLDERS
+
+log = logging.getLogger("cagrad")
+
+# opaque calls whose result is the gradient they were given (or a
+# replacement of the same layout) and that have no resume point: a value
+# they get is only layout-free if their result is
+_PASS_THROUGH = frozenset(
+    getattr(runtime_ops, name) for name in ("tensor_pre_hooks", "backward_state_hook")
+)
+
+
+@dataclasses.dataclass
+class Segment:
+    """A run of tensor ops, compiled on its own."""
+
+    graph_module: torch.fx.GraphModule
+    in_names: list[str]
+    out_names: list[str]
+    fn: Callable[..., Any] | None = None
+    calls: int = 0
+
+
+@dataclasses.dataclass
+class OpaqueStep:
+    """One call to :mod:`cagrad.capture.runtime_ops` and the items read from its result."""
+
+    node: torch.fx.Node
+    args: Any  # the node's args, with value names (_Ref) where the graph has nodes
+    items: list[tuple[int, str]]
+    spec: Any
+    resume: Any
+    # which results may be non-strided (see layout_free): a bool for a single
+    # result, the set of indices for a list
+    layout_free: Any = False
+
+
+class SpeculationFailed(Exception):
+    def __init__(self, step: OpaqueStep, result: Any) -> None:
+        super().__init__(step.node.name)
+        self.step = step
+        self.result = result
+
+
+@dataclasses.dataclass
+class SegmentedGraph:
+    """A captured graph cut into segments and opaque steps, in order."""
+
+    steps: list[Segment | OpaqueStep]
+    input_reads: dict[str, int]
+    object_reads: dict[str, int]
+    output: list[str | None]
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [s for s in self.steps if isinstance(s, Segment)]
+
+
+def _names(arg: Any) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        return [_names(a) for a in arg]
+    return arg
+
+
+class _Ref(str):
+    """An opaque call's argument that is a graph value (by name), as opposed
+    to a constant (a ``str`` constant, e.g. a hook name, stays itself)."""
+
+    __slots__ = ()
+
+
+def _refs(arg: Any) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        return _Ref(arg.name)
+    if isinstance(arg, (list, tuple)):
+        return [_refs(a) for a in arg]
+    return arg
+
+
+def _used(arg: Any, out: set[str]) -> None:
+    if isinstance(arg, torch.fx.Node):
+        out.add(arg.name)
+    elif isinstance(arg, (list, tuple)):
+        for a in arg:
+            _used(a, out)
+
+
+def layout_free(value: torch.fx.Node) -> bool:
+    """Whether a non-strided tensor may stand for ``value`` in the graph.
+
+    True when every use of ``value`` is an opaque call (it runs eager's code
+    on the real tensor: ``.grad`` accumulation, hooks, nodes run as they are)
+    or the graph's output (an ``autograd.grad`` result, which eager returns
+    as it is). A call that hands the gradient on without a resume point of
+    its own (a tensor hook) counts only if its result is layout-free too;
+    the others' results are checked when they return.
+    """
+    for user in value.users:
+        if user.op == "output":
+            continue
+        if user.op != "call_function" or user.target not in OPAQUE_TARGETS:
+            return False
+        if user.target in _PASS_THROUGH and not layout_free(user):
+            return False
+    return True
+
+
+def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]]) -> SegmentedGraph:
+    """Cuts ``gm`` at its opaque calls (see module docstring).
+
+    ``to_value`` turns the trace's SymInts in the opaque calls' assumed
+    shapes into functions of the symbol values, evaluated at run time.
+    """
+    graph = gm.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    inputs_ph, hooks_ph, sizes_ph = placeholders["inputs"], placeholders["hooks"], placeholders["sizes"]
+    input_reads: dict[str, int] = {}
+    object_reads: dict[str, int] = {}
+    size_reads: dict[str, int] = {}
+    groups: list[list[torch.fx.Node] | OpaqueStep] = []
+    current: list[torch.fx.Node] = []
+    output_node = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            output_node = node
+            continue
+        if node.target is operator.getitem and node.args[0] is inputs_ph:
+            input_reads[node.name] = node.args[1]
+            continue
+        if node.target is operator.getitem and node.args[0] is hooks_ph:
+            object_reads[node.name] = node.args[1]
+            continue
+        if node.target is operator.getitem and node.args[0] is sizes_ph:
+            size_reads[node.name] = node.args[1]
+            continue
+        if node.target in OPAQUE_TARGETS:
+            if current:
+                groups.append(current)
+                current = []
+            items = [
+                (u.args[1], u.name)
+                for u in node.users
+                if u.target is operator.getitem and u.args[0] is node
+            ]
+            spec = node.meta.get("cagrad_spec")
+            if isinstance(spec, list):
+                free: Any = {
+                    u.args[1]
+                    for u in node.users
+                    if u.target is operator.getitem and u.args[0] is node and layout_free(u)
+                }
+            else:
+                free = layout_free(node)
+            groups.append(
+                OpaqueStep(
+                    node,
+                    _refs(node.args),
+                    sorted(items),
+                    _spec_functions(spec, to_value),
+                    node.meta.get("cagrad_resume"),
+                    free,
+                )
+            )
+            continue
+        if node.target is operator.getitem and node.args[0].target in OPAQUE_TARGETS:
+            continue  # read by its opaque step
+        current.append(node)
+    if current:
+        groups.append(current)
+    assert output_node is not None  # noqa: S101 - every FX graph has one
+
+    # which values each later step needs: its inputs, and for opaque steps the
+    # values their resume points name
+    needed_after: list[set[str]] = []
+    later: set[str] = set()
+    _used(output_node.args[0], later)
+    for group in reversed(groups):
+        needed_after.append(set(later))
+        if isinstance(group, OpaqueStep):
+            _used(group.node.args, later)
+            r = group.resume
+            if r is not None:
+                for names in [*r.buffers.values(), r.captured, r.inputs]:
+                    later.update(n for n in names if n is not None)
+        else:
+            for node in group:
+                for a in node.all_input_nodes:
+                    later.add(a.name)
+    needed_after.reverse()
+
+    steps: list[Segment | OpaqueStep] = []
+    for group, needed in zip(groups, needed_after):
+        if isinstance(group, OpaqueStep):
+            steps.append(group)
+        else:
+            steps.append(_segment(gm, group, needed, size_reads))
+    return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
+
+
+def _segment(
+    gm: torch.fx.GraphModule,
+    nodes: list[torch.fx.Node],
+    needed: set[str],
+    size_reads: dict[str, int],
+) -> Segment:
+    inside = {n.name for n in nodes}
+    in_names: list[str] = []
+    in_nodes: dict[str, torch.fx.Node] = {}
+    sizes_used: list[str] = []
+    size_nodes: dict[str, torch.fx.Node] = {}
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a.name in size_reads:
+                if a.name not in sizes_used:
+                    sizes_used.append(a.name)
+                    size_nodes[a.name] = a
+            elif a.name not in inside and a.name not in in_names:
+                in_names.append(a.name)
+                in_nodes[a.name] = a
+    out_names = [n.name for n in nodes if n.name in needed]
+    graph = torch.fx.Graph()
+    ph = {name: graph.placeholder(name) for name in PLACEHOLDERS}
+    env: dict[str, torch.fx.Node] = {}
+    for name in sizes_used:
+        # every segment gets the whole sizes list and reads what it uses
+        env[name] = graph.call_function(operator.getitem, (ph["sizes"], size_reads[name]))
+        if "val" in size_nodes[name].meta:
+            env[name].meta["val"] = size_nodes[name].meta["val"]
+    for i, name in enumerate(in_names):
+        env[name] = graph.call_function(operator.getitem, (ph["inputs"], i))
+        for key in ("val", "cagrad_requires_grad"):  # its fake value, for the backend
+            if key in in_nodes[name].meta:
+                env[name].meta[key] = in_nodes[name].meta[key]
+    for node in nodes:
+        env[node.name] = graph.node_copy(node, lambda a: env[a.name])
+    graph.output([env[n] for n in out_names])
+    graph.lint()
+    return Segment(torch.fx.GraphModule(gm, graph, "CompiledAutogradSegment"), in_names, out_names)
+
+
+def compile_segments(sg: SegmentedGraph, compile_graph: Callable[[torch.fx.GraphModule], Any]) -> None:
+    for seg in sg.segments:
+        seg.fn = compile_graph(seg.graph_module)
+
+
+def _spec_functions(spec: Any, to_value: Callable[[Any], Callable[..., int]]) -> Any:
+    """The assumed result with every size as a function of the symbol values."""
+    if spec is None or spec == MUST_BE_NONE:
+        return spec
+    if isinstance(spec, list):
+        return [_spec_functions(s, to_value) for s in spec]
+    shape, dtype, device, stride = spec
+    return (
+        tuple(to_value(x) for x in shape),
+        dtype,
+        device,
+        tuple(to_value(x) for x in stride),
+    )
+
+
+def _concrete(spec: Any, sym_values: Sequence[int]) -> Any:
+    shape, dtype, device, stride = spec
+    return (
+        tuple(f(*sym_values) for f in shape),
+        dtype,
+        device,
+        tuple(f(*sym_values) for f in stride),
+    )
+
+
+def _materialize(arg: Any, env: dict[str, Any]) -> Any:
+    if isinstance(arg, _Ref):
+        return env[arg]
+    if isinstance(arg, list):
+        return [_materialize(a, env) for a in arg]
+    return arg
+
+
+def _conform(value: Any, spec: Any, free: bool) -> Any:
+    """Checks ``value`` against the trace's assumption; copies odd strides.
+
+    A non-strided ``value`` passes as it is where ``free`` (see
+    :func:`layout_free`); elsewhere it fails the check.
+
+    Returns:
+        the value to go on with, or None when the check failed.
+    """
+    shape, dtype, device, stride = spec
+    if tuple(value.shape) != shape or value.dtype != dtype or value.device != device:
+        return None
+    if value.layout is not torch.strided:
+        return value if free else None
+    if tuple(value.stride()) != stride:
+        out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        out.copy_(value)
+        return out
+    return value
+
+
+def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int]) -> Any:
+    spec = step.spec
+    if spec is None:
+        return result
+    if isinstance(spec, list):
+        out = list(result)
+        for i, s in enumerate(spec):
+            if s is None:
+                continue
+            v = out[i]
+            if s == MUST_BE_NONE:
+                if v is not None:
+                    raise SpeculationFailed(step, result)
+                continue
+            if v is None:
+                raise SpeculationFailed(step, result)
+            v = _conform(v, _concrete(s, sym_values), i in step.layout_free)
+            if v is None:
+                raise SpeculationFailed(step, result)
+            out[i] = v
+        return out
+    if result is None:
+        raise SpeculationFailed(step, result)
+    v = _conform(result, _concrete(spec, sym_values), step.layout_free)
+    if v is None:
+        raise SpeculationFailed(step, result)
+    return v
+
+
+def run(
+    sg: SegmentedGraph,
+    inputs: Sequence[torch.Tensor],
+    sizes: list[int],
+    sym_values: Sequence[int],
+    objects: Sequence[Any],
+    on_speculation_failed: Callable[[OpaqueStep, Any, dict[str, Any]], list],
+) -> list:
+    """Runs the steps; returns the graph's outputs.
+
+    ``sizes`` is the graph's ``sizes`` list (every segment gets it whole);
+    ``sym_values`` the symbol values the opaque calls' assumed shapes are
+    evaluated at.
+
+    ``on_speculation_failed(step, real_result, env)`` finishes the backward
+    when a check fails and returns the outputs in place of the graph's.
+    """
+    env: dict[str, Any] = {}
+    for name, i in sg.input_reads.items():
+        env[name] = inputs[i]
+    for name, i in sg.object_reads.items():
+        env[name] = objects[i]
+    for step in sg.steps:
+        if isinstance(step, Segment):
+            args = [env[n] for n in step.in_names]
+            try:
+                outs = step.fn(args, sizes, [], [], [])
+            except Exception as e:
+                if step.calls:
+                    raise
+                # the first call compiles; a backend failure runs the
+                # segment's own graph instead (the same aten ops, in order)
+                log.warning("cagrad: a graph segment failed to compile; running it uncompiled (%s: %s)", type(e).__name__, e)
+                counters.bump("segment_compile_failures")
+                step.fn = step.graph_module
+                # a boxed fn may have emptied args
+                outs = step.fn([env[n] for n in step.in_names], sizes, [], [], [])
+            step.calls += 1
+            env.update(zip(step.out_names, outs))
+            continue
+        args = _materialize(step.args, env)
+        result = step.node.target(*args)
+        try:
+            result = _check(step, result, sym_values)
+        except SpeculationFailed as e:
+            return on_speculation_failed(step, e.result, env)
+        env[step.node.name] = result
+        for index, name in step.items:
+            env[name] = result[index]
+    return [None if n is None else env[n] for n in sg.output]

@@ -1,0 +1,160 @@
+"""compiler_fn: from a backend name or callable to ``GraphModule -> callable``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import torch
+import torch.fx
+
+from ..counters import counters
+
+CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
+
+# (backend, aten op) pairs whose compiled result is known to be wrong; a graph
+# holding one runs in eager instead. Found by the differential tests:
+# inductor's code around aten._cudnn_rnn_backward (a list of weight gradients
+# that are views of one buffer) returns a wrong weight_hh_l1 gradient for a
+# 2-layer nn.LSTM on CUDA (torch 2.11; tests/test_models_cuda.py, lstm), while
+# eager and aot_eager are exact.
+_DENYLIST: dict[str, tuple[Any, ...]] = {
+    "inductor": (
+        torch.ops.aten._cudnn_rnn_backward.default,
+        torch.ops.aten.miopen_rnn_backward.default,
+    ),
+}
+
+
+def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
+    """Raises Unsupported if ``gm`` holds an op ``compiler_fn`` gets wrong.
+
+    Raises:
+        cagrad.Unsupported: reason ``backend_denylist:<backend>:<op>``.
+    """
+    denied = _DENYLIST.get(compiler_fn) if isinstance(compiler_fn, str) else None
+    if not denied:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in denied:
+            from ..errors import Unsupported
+
+            op = node.target.name()
+            raise Unsupported(
+                f"backend_denylist:{compiler_fn}:{op.split('::')[-1]}",
+                f"{compiler_fn} is known to compile {op} wrongly (see cagrad/compile/backends.py)",
+            )
+
+
+def resolve(compiler_fn: CompilerFn) -> Callable[..., Callable[..., Any]]:
+    """Turns ``compiler_fn`` into ``compile(graph_module, symbolic,
+    static_first=False) -> callable`` (``static_first``: see
+    :func:`cagrad.compile.direct_compile.compile_graph`; whole-graph backwards).
+
+    A string names a ``torch.compile`` backend (``"eager"``, ``"aot_eager"``,
+    ``"inductor"``, or any registered one): the backend compiles the graph
+    directly, with the trace's fake values as example inputs and no Dynamo
+    (:mod:`cagrad.compile.direct_compile`): a graph traced with dynamic sizes is
+    compiled for any value of them that its check accepts, a static one for
+    its sizes (a graph with a 0-dim CPU tensor beside CUDA tensors is called
+    through :class:`_WithoutAliasCheck`). Compile under the grad mode the
+    graph runs in. A segment of a ``create_graph=True`` backward that reads
+    an opaque call's result goes through ``torch.compile(gm, backend=name,
+    dynamic=symbolic)`` instead, whose guards cover that result's
+    ``requires_grad``. ``symbolic`` is kept for callables that want it. A
+    callable gets the graph module alone.
+
+    Raises:
+        TypeError: if ``compiler_fn`` is neither.
+        ValueError: if the backend name is not registered with torch.compile.
+    """
+    if isinstance(compiler_fn, str):
+        resolved = _resolved.get(compiler_fn)
+        if resolved is None:
+            resolved = _resolved[compiler_fn] = _resolve_name(compiler_fn)
+        return resolved
+    if callable(compiler_fn):
+        user_fn = compiler_fn
+        return lambda gm, symbolic, static_first=False: user_fn(gm)
+    raise TypeError(
+        "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
+        f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"
+    )
+
+
+_resolved: dict[str, Callable[..., Callable[..., Any]]] = {}
+"""Backend names resolved so far (every ``cagrad.enable`` resolves its
+backend; a name is looked up in torch's registry once)."""
+
+
+def _resolve_name(compiler_fn: str) -> Callable[..., Callable[..., Any]]:
+    from torch._dynamo.backends.registry import list_backends
+
+    known = set(list_backends(exclude_tags=())) | {"eager", "aot_eager", "inductor"}
+    if compiler_fn not in known:
+        raise ValueError(
+            f"cagrad: unknown torch.compile backend {compiler_fn!r}; "
+            f"registered: {sorted(known)}"
+        )
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from . import direct_compile
+
+    backend = lookup_backend(compiler_fn)
+
+    def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool, static_first: bool = False) -> Callable[..., Any]:
+        compiled = direct_compile.compile_graph(backend, gm, compiler_fn, static_first)
+        counters.bump("backend_compiles")
+        if compiled is None:
+            counters.bump("dynamo_compiles")
+            compiled = torch.compile(gm, backend=compiler_fn, dynamic=symbolic)
+        return _WithoutAliasCheck(compiled) if _scalar_beside_cuda(gm) else compiled
+
+    return compile_with_backend
+
+
+def _scalar_beside_cuda(gm: torch.fx.GraphModule) -> bool:
+    """The graph reads a 0-dim CPU tensor (a lifted scalar) and a CUDA tensor
+    from its inputs (the fake values of its ``inputs[i]`` nodes)."""
+    cpu_scalar = cuda = False
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "call_function" else None
+        if isinstance(val, torch.Tensor) and node.args and getattr(node.args[0], "name", None) == "inputs":
+            cpu_scalar |= val.device.type == "cpu" and val.dim() == 0
+            cuda |= val.device.type == "cuda"
+    return cpu_scalar and cuda
+
+
+class _WithoutAliasCheck:
+    """Calls a compiled graph with ``torch._functorch.config.
+    check_custom_op_aliasing`` off.
+
+    Why: with that check on (the default on torch 2.11), AOTAutograd runs a
+    graph's first call under a dispatch mode that checks custom ops for
+    aliasing, and in it the ``.item()`` that inductor's CUDA code calls on a
+    0-dim CPU tensor input fails ("_local_scalar_dense() Expected a value of
+    type 'Tensor' ... found type 'float'"): every backward with a lifted
+    scalar (``x * 0.25``) fell back (``compile_failed``), and torch's own
+    compiled autograd raises the same error. The check is a diagnostic for
+    custom ops, and AOTAutograd keeps it pending until a call runs with it on,
+    so it stays off on every call (about 3 us each), and only for graphs that
+    need it (:func:`_scalar_beside_cuda`). Measured on the device: H200,
+    torch 2.11.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        if not hasattr(functorch_config, "check_custom_op_aliasing"):
+            return self.fn(*args)
+        before = functorch_config.check_custom_op_aliasing
+        functorch_config.check_custom_op_aliasing = False
+        try:
+            return self.fn(*args)
+        finally:
+            functorch_config.check_custom_op_aliasing = before

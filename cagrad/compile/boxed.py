@@ -1,0 +1,103 @@
+"""Boxed calls: a compiled graph frees each input once it is done with it.
+
+Eager autograd frees a node's saved tensors as soon as that node has run
+(``retain_graph=False``), so a backward's peak memory holds only the saved
+tensors of the nodes still to run. A compiled backward reads every saved
+tensor as a graph input; called the usual way, ``fn(*args)``, the argument
+tuple keeps every input alive until the whole graph returns, and the peak
+holds all of them plus the gradients (transformer layer on the H100: 120 MiB
+against eager's 72).
+
+A *boxed* callable takes one list and empties it once it has read it (the
+calling convention AOTAutograd and inductor use inside, and the one torch's
+compiled autograd reaches through Dynamo's ``flatten_graph_inputs``); each
+input then lives only as long as the code that reads it. cagrad's side of the
+bargain (:mod:`cagrad.compiled_backward`): on a backward without
+``retain_graph`` it releases the saved tensors it lifted before the call, and
+hands over the only other list that holds them.
+
+* ``"eager"``: the backend returns the graph's own ``forward``;
+  :func:`boxed_graph_module` rewrites the graph to read its inputs from one
+  list argument, and FX's code generation drops each value after its last
+  use.
+* ``"aot_eager"``, ``"inductor"``: the graph is handed over wrapped in
+  Dynamo's ``GmWrapper``, which makes ``aot_module_simplified`` return its
+  boxed ``forward(list)``.
+* any other backend is called unboxed.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+BOXED_BACKENDS = ("eager", "aot_eager", "inductor")
+"""Backend names compiled into boxed callables (see the module docstring)."""
+
+
+def boxed_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` rewritten in place to take its placeholders as one list.
+
+    The new graph reads ``args[i]`` for the i-th old placeholder, then
+    empties ``args``; FX's generated code sets each value to None after its
+    last use, so an input is freed there unless the caller holds it too.
+
+    Args:
+        gm: a graph with flat placeholders (tensors, SymInts) only.
+
+    Returns:
+        ``gm``, recompiled; called as ``gm(args)`` with a list, which it
+        empties.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(placeholders[0] if placeholders else None):
+        args = graph.placeholder("args")
+    last = args
+    for i, ph in enumerate(placeholders):
+        with graph.inserting_after(last):
+            last = graph.call_function(operator.getitem, (args, i))
+        last.meta.update(ph.meta)
+        ph.replace_all_uses_with(last)
+        graph.erase_node(ph)
+    with graph.inserting_after(last):
+        graph.call_method("clear", (args,))
+    gm.recompile()
+    return gm
+
+
+def _as_is(args: list) -> list:
+    return args
+
+
+def compile_boxed(
+    backend: Callable[..., Any], name: str | None, gm: torch.fx.GraphModule, examples: Sequence[Any]
+) -> tuple[Callable[..., Any], bool]:
+    """Compiles ``gm`` with ``backend``; boxed where the backend allows it.
+
+    Call it inside the ``TracingContext`` the backend needs.
+
+    Args:
+        backend: the Dynamo backend callable.
+        name: its registered name, or None when unknown.
+        gm: the flat graph (:func:`cagrad.compile.direct_compile.flat_graph`).
+        examples: one example (fake tensor or SymInt) per placeholder.
+
+    Returns:
+        ``(fn, boxed)``: with ``boxed`` True, call ``fn(args_list)`` (it
+        empties the list); else ``fn(*args)``.
+    """
+    if name == "eager":
+        return boxed_graph_module(gm), True
+    if name in BOXED_BACKENDS:
+        from torch._dynamo.utils import GmWrapper
+
+        return backend(GmWrapper(gm, _as_is), list(examples)), True
+    return backend(gm, list(examples)), False
+
+
+__all__ = ["BOXED_BACKENDS", "boxed_graph_module", "compile_boxed"]

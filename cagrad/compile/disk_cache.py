@@ -1,0 +1,707 @@
+"""Warm start across processes: captured graphs stored on disk.
+
+With ``cagrad.enable(..., cache_dir=DIR)`` (or the environment variable
+``CAGRAD_CACHE_DIR``), a capture that misses the in-memory cache first
+looks for its graph in ``DIR``; a second process that runs the same model
+then skips cagrad's trace, and hands the rebuilt graph to the backend, whose
+own disk caches (inductor's FX graph cache, AOTAutograd's cache) find their
+compiled code under the same key as in the first process.
+
+What is stored
+--------------
+
+One file per key sequence, ``DIR/<sha256 of the disk key>.cagrad-graph``,
+holding what rebuilds the capture's :class:`~cagrad.capture.compiler.Traced` without
+tracing: the graph's nodes (:mod:`cagrad.compile.graph_serde`), the fake value of
+every ``inputs[i]`` and ``sizes[j]`` read (dtype, device, sizes, strides and
+offset as expressions over the trace's symbols), the symbols in the order
+the trace created them (each recreated from its source name, so it gets the
+same name), the :class:`~cagrad.keys.sizes.SizeCheck` as data, the size inputs as
+expressions, and the input/output plan (``input_indices``,
+``leaf_outputs``, ``capture_outputs``, ``aliases_input``). It is taken right
+after the trace, before the backend adds its guards (the backend adds them
+again when it compiles the rebuilt graph, from its own cache or not), and
+written once the compile succeeded.
+
+Before a record is written it is rebuilt in the writing process and must
+give back the same record and the same graph code; anything that does not
+round-trip exactly is not stored.
+
+The disk key
+------------
+
+The sha256 is taken over, length-prefixed: a magic string and this module's
+format version; torch's version and git revision; the Python version;
+sympy's version; a digest of cagrad's own source files (any change to
+cagrad's code makes new keys); torch's symbolic-shapes configuration; the
+backend name and the ``dynamic`` flag; Dynamo's global state the compiled
+graph runs in (grad mode, deterministic algorithms, default dtype, ...;
+the thread count left out); then the type name and bytes of every
+:class:`~cagrad.keys.cache_key.CacheKey` of the backward, the GraphTask key
+first, in order: the in-memory cache's whole key. The file repeats the key
+bytes, and a lookup compares them.
+
+What is not stored (``counters["disk_skips"]``, reason logged at DEBUG on
+the ``cagrad`` logger): graphs compiled by a callable ``compiler_fn`` or a
+backend other than ``"eager"``, ``"aot_eager"`` and ``"inductor"`` (the
+rebuilt graph keeps node metadata only on its inputs); graphs with hooks,
+opaque calls, custom ``autograd.Function``\\ s, inlined AOTAutograd
+backwards (their keys name a process-local id), segments or nodes forced
+opaque; backwards under foreign saved-tensor hooks or with hooks added from
+C++; graphs with a target or argument :mod:`cagrad.compile.graph_serde` does not
+cover. Their graphs depend on Python objects of the process that traced
+them, or on more than the key says.
+
+Files
+-----
+
+::
+
+    cagrad-graph-cache\\n                      magic line
+    {"format": 1, "torch": ..., ...}\\n        header (JSON, one line)
+    {...}                                     body (JSON)
+
+The header holds the format, torch, Python and cagrad versions, the sha256
+of the key and of the body, and the body's length. A file is written to a
+temporary file in the same directory, flushed, and renamed over the entry
+(``os.replace``): readers see a whole file, old or new, and concurrent
+writers of one key leave one of their (equal) files. A file that cannot be
+used raises :class:`cagrad.CacheFileError` naming it and what is wrong
+(no wrong graph is ever used, and no file is ever deleted by cagrad).
+A stored graph whose size check rejects the current sizes is not used; the
+backward is traced and its file replaced.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import operator
+import os
+import pathlib
+import platform
+import struct
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from ..autograd import run_context, saved_variables
+from ..autograd.walk import Kind
+from ..counters import counters
+from ..errors import CacheFileError
+from ..keys.sizes import rebuilt_check, static_check
+from . import graph_serde
+from .graph_serde import NotSerializable, expr_from_data, expr_to_data
+
+log = logging.getLogger("cagrad")
+
+FORMAT = 1
+MAGIC = b"cagrad-graph-cache\n"
+SUFFIX = ".cagrad-graph"
+ENV_VAR = "CAGRAD_CACHE_DIR"
+STORED_BACKENDS = ("eager", "aot_eager", "inductor")
+
+_KINDS = (Kind.ROOT, Kind.TRACED, Kind.ACCUMULATE)
+_OTHER_PLACEHOLDERS = ("scalars", "hooks", "packed_inputs")
+
+
+def resolve_dir(cache_dir: Any) -> str | None:
+    """The directory ``enable(cache_dir=...)`` means (absolute): ``cache_dir``
+    itself, else ``$CAGRAD_CACHE_DIR`` if set and not empty, else None (no
+    disk cache). ``False`` means none even when the variable is set."""
+    if cache_dir is False:
+        return None
+    if cache_dir is None:
+        cache_dir = os.environ.get(ENV_VAR) or None
+    if cache_dir is None:
+        return None
+    return os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))
+
+
+# -- the key ------------------------------------------------------------------
+
+_environment: bytes | None = None
+
+
+def _source_digest() -> str:
+    # every module of the package, by its path inside it
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        data = path.read_bytes()
+        name = path.relative_to(root).as_posix()
+        h.update(name.encode() + b"\0" + struct.pack("<Q", len(data)) + data)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _versions() -> dict[str, Any]:
+    """What a file's header must name (computed once; do not mutate)."""
+    return {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "python": f"{platform.python_implementation()} {'.'.join(map(str, sys.version_info[:3]))}",
+        "cagrad": _source_digest(),
+    }
+
+
+def _environment_bytes() -> bytes:
+    """What the trace depends on besides the keys (computed once)."""
+    global _environment
+    if _environment is None:
+        from torch.fx.experimental import _config as fx_config
+
+        env = {
+            **_versions(),
+            "torch_git": getattr(torch.version, "git_version", None),
+            "sympy": sympy.__version__,
+            "fx_config": repr(sorted(fx_config.get_config_copy().items())),
+        }
+        _environment = json.dumps(env, sort_keys=True).encode()
+    return _environment
+
+
+def _global_state() -> str:
+    """Dynamo's global state under the grad mode compiled graphs run in, as
+    JSON without the thread count.
+
+    Raises:
+        NotSerializable: this torch's ``GlobalStateGuard`` has no state to read.
+    """
+    with run_context.grad_mode():
+        guard = torch._C._dynamo.guards.GlobalStateGuard()
+    getstate = getattr(guard, "__getstate__", None)
+    try:
+        state = json.loads(getstate())
+    except Exception as e:  # noqa: BLE001 - any failure means no key
+        raise NotSerializable("global_state", f"cannot read Dynamo's global state ({e})") from e
+    state.pop("num_threads", None)
+    return json.dumps(state, sort_keys=True)
+
+
+def _lp(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def disk_key(keys: Sequence[Any], backend: str, dynamic: bool) -> bytes:
+    """The bytes a stored graph is filed under (see the module docstring).
+
+    Raises:
+        NotSerializable: the global state cannot be read.
+    """
+    parts = [
+        _lp(MAGIC),
+        _lp(_environment_bytes()),
+        _lp(json.dumps({"backend": backend, "dynamic": bool(dynamic)}, sort_keys=True).encode()),
+        _lp(_global_state().encode()),
+        struct.pack("<Q", len(keys)),
+    ]
+    for key in keys:
+        parts.append(_lp(key.node_type.encode()))
+        parts.append(_lp(key.key))
+    return b"".join(parts)
+
+
+# -- what may be stored -------------------------------------------------------
+
+
+def collected_reason(collected: Any, compiler_fn: Any) -> str | None:
+    """Why this backward's graph may not be stored or loaded, or None."""
+    if not isinstance(compiler_fn, str):
+        return "callable_compiler"
+    if compiler_fn not in STORED_BACKENDS:
+        return f"backend:{compiler_fn}"
+    collector = collected.collector
+    if collector.needs_host:
+        return "cpp_hooks"
+    foreign = collector.census.claim_slots  # pack hooks were pushed at some point
+    for call, plan in zip(collected.task.order, collector.plans):
+        if plan.kind not in _KINDS:
+            return f"node_kind:{plan.kind.value}"
+        if plan.hooks is not None:
+            return "hooks"
+        if foreign and plan.kind is Kind.TRACED and call.node is not None:
+            if saved_variables.may_have_foreign_hooks(call.node):
+                return "saved_tensors_hooks"
+    if collector.any_opaque:
+        return "opaque"
+    return None
+
+
+def traced_reason(traced: Any) -> str | None:
+    """Why this capture may not be stored (beyond :func:`collected_reason`)."""
+    if traced.force_opaque:
+        return "forced_opaque"
+    if traced.has_opaque_calls:
+        return "opaque_calls"
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "placeholder" and node.target in _OTHER_PLACEHOLDERS and node.users:
+            return "runtime_objects"
+    return None
+
+
+# -- Traced <-> data ----------------------------------------------------------
+
+
+def _sym_to_data(x: Any) -> Any:
+    if isinstance(x, torch.SymInt):
+        return expr_to_data(x.node.expr)
+    if type(x) is int:
+        return x
+    raise NotSerializable("value", f"a size {x!r}")
+
+
+def _float_to_data(f: float) -> str:
+    return float(f).hex()
+
+
+def _reads(gm: torch.fx.GraphModule, name: str) -> list[torch.fx.Node]:
+    ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == name)
+    return list(ph.users)
+
+
+def traced_to_data(traced: Any) -> dict[str, Any]:
+    """The record that rebuilds ``traced`` (see the module docstring).
+
+    Raises:
+        NotSerializable: something in it the record cannot hold.
+    """
+    gm = traced.graph_module
+    inputs, sizes = [], []
+    for node in _reads(gm, "inputs"):
+        val = node.meta.get("val")
+        if not (node.target is operator.getitem and isinstance(val, torch.Tensor)):
+            raise NotSerializable("input", f"graph input read {node.name}")
+        if val.layout is not torch.strided or val.is_conj() or val.is_neg() or type(val).__name__ != "FakeTensor":
+            raise NotSerializable("input", f"graph input {node.name} is not a plain strided fake")
+        spec = {
+            "dtype": str(val.dtype).removeprefix("torch."),
+            "device": str(val.device),
+            "shape": [_sym_to_data(s) for s in val.shape],
+            "stride": [_sym_to_data(s) for s in val.stride()],
+            "offset": _sym_to_data(val.storage_offset()),
+            "requires_grad": bool(node.meta["cagrad_requires_grad"]),
+        }
+        inputs.append([node.name, spec])
+    size_exprs: dict[int, Any] = {}
+    for node in _reads(gm, "sizes"):
+        val = node.meta.get("val")
+        if node.target is not operator.getitem or not isinstance(val, (torch.SymInt, int)):
+            raise NotSerializable("size", f"graph size read {node.name}")
+        sizes.append([node.name, _sym_to_data(val)])
+        size_exprs[node.args[1]] = sizes[-1][1]
+    if sorted(size_exprs) != list(range(len(traced.size_inputs))):
+        raise NotSerializable("size", "the size inputs are not the graph's size reads")
+    check = traced.check
+    env = traced.shape_env
+    if check.is_static:
+        symbols = None
+        check_data: dict[str, Any] = {"expected": list(check.expected)}
+    else:
+        created = getattr(env, "source_to_var", None)
+        values = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", None)
+        if created is None or values is None:
+            raise NotSerializable("shape_env", "this torch's ShapeEnv does not list its symbols")
+        symbols = []
+        for source, sym in created.items():
+            if not isinstance(sym, sympy.Symbol) or sym not in values:
+                raise NotSerializable("shape_env", f"symbol {sym} of {source}")
+            symbols.append([source, sym.name, int(values[sym])])
+        names = {name for _, name, _ in symbols}
+        if any(sym.name not in names for sym in check.bound_symbols):
+            raise NotSerializable("shape_env", "a bound symbol the ShapeEnv did not create")
+        if len(check.derived_exprs) != len(check.derived):
+            raise NotSerializable("check", "derived slots without their expressions")
+        check_data = {
+            "expected": list(check.expected),
+            "static": list(check.static),
+            "symbols": [list(s) for s in check.symbols],
+            "derived": [[slot, expr_to_data(e)] for (slot, _), e in zip(check.derived, check.derived_exprs)],
+            "ranges": [[_float_to_data(lo), _float_to_data(hi)] for lo, hi in check.ranges],
+            "guards": [expr_to_data(e) for e in check.guard_exprs],
+            "bound": [sym.name for sym in check.bound_symbols],
+            "hints": list(check.hints),
+        }
+    notes = {}
+    for node in gm.graph.nodes:
+        origin = node.meta.get("autograd_node")
+        if isinstance(origin, str):
+            notes[node.name] = origin
+    return {
+        "graph": graph_serde.graph_to_data(gm),
+        "autograd_node": notes,
+        "inputs": inputs,
+        "sizes": sizes,
+        "size_inputs": [size_exprs[j] for j in range(len(size_exprs))],
+        "input_indices": list(traced.input_indices),
+        "leaf_outputs": [list(x) for x in traced.leaf_outputs],
+        "capture_outputs": list(traced.capture_outputs),
+        "aliases_input": list(traced.aliases_input),
+        "accumulate_at_end": bool(traced.accumulate_at_end),
+        "symbols": symbols,
+        "check": check_data,
+    }
+
+
+def _int_list(d: Any, what: str) -> list[int]:
+    if not isinstance(d, list) or not all(type(x) is int for x in d):
+        raise ValueError(f"{what} is not a list of ints")
+    return d
+
+
+class _Replace:
+    """``ShapeEnv.replace`` of a ShapeEnv made after the check (identity before)."""
+
+    __slots__ = ("env",)
+
+    def __init__(self) -> None:
+        self.env: Any = None
+
+    def __call__(self, expr: Any) -> Any:
+        return expr if self.env is None else self.env.replace(expr)
+
+
+def traced_from_data(
+    data: dict[str, Any], plans: list[Any], values: Sequence[int], hints: bool = True
+) -> Any:
+    """Rebuilds the :class:`~cagrad.capture.compiler.Traced` a record holds, or None
+    when its size check rejects ``values``.
+
+    Args:
+        plans: the node plans of the backward (its collector's).
+        values: the backward's size slot values.
+        hints: True: the symbols get ``values``' values as hints (as a trace
+            of this backward would); False: the record's own.
+
+    Raises:
+        ValueError, KeyError, TypeError: a malformed record.
+    """
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer, set_meta
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from ..capture.compiler import Traced
+
+    cd = data["check"]
+    expected = _int_list(cd["expected"], "check.expected")
+    symbol_list = data["symbols"]
+    replace = _Replace()
+    if symbol_list is None:
+        check = static_check(expected)
+        by_name: dict[str, Any] = {}
+        sym_values: list[int] | None = [] if check.match(values) is not None else None
+    else:
+        by_name = {}
+        for item in symbol_list:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
+                raise ValueError("malformed symbol list")
+            _, name, hint = item
+            if not isinstance(name, str) or type(hint) is not int or name in by_name:
+                raise ValueError("malformed symbol list")
+            by_name[name] = sympy.Symbol(name, integer=True, positive=True)
+        bound_names = cd["bound"]
+        if not isinstance(bound_names, list) or any(n not in by_name for n in bound_names):
+            raise ValueError("the check binds an unknown symbol")
+        bound = [by_name[n] for n in bound_names]
+        ranges = [(float.fromhex(lo), float.fromhex(hi)) for lo, hi in cd["ranges"]]
+        check = rebuilt_check(
+            expected,
+            _int_list(cd["static"], "check.static"),
+            [_int_list(s, "check.symbols") for s in cd["symbols"]],
+            [(slot, expr_from_data(e, by_name)) for slot, e in cd["derived"]],
+            ranges,
+            [expr_from_data(e, by_name) for e in cd["guards"]],
+            bound,
+            _int_list(cd["hints"], "check.hints"),
+            replace,
+        )
+        if not (len(bound) == len(check.symbols) == len(ranges) == len(check.hints)):
+            raise ValueError("the check's symbol lists differ in length")
+        sym_values = check.match(values)
+    if sym_values is None:
+        return None
+    sym_of = dict(zip(check.bound_symbols, sym_values if hints else check.hints))
+    env = None
+    point: dict[Any, Any] = {}
+    if symbol_list is not None:
+        env = ShapeEnv()
+        for source, name, stored in symbol_list:
+            hint = sym_of.get(by_name[name], stored)
+            if hint < 2:
+                return None  # would be specialized: trace instead
+            sym = env.create_symbol(hint, ConstantSource(source), dynamic_dim=DimDynamic.DYNAMIC)
+            if sym != by_name[name]:
+                raise ValueError(f"the ShapeEnv names the symbol of {source} {sym}, not {name}")
+            point[sym] = sympy.Integer(hint)
+        replace.env = env
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=env)
+    else:
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False)
+
+    def size(d: Any) -> Any:
+        e = expr_from_data(d, by_name)
+        if e.is_number:
+            return int(e)
+        if env is None:
+            raise ValueError(f"a static graph with a symbolic size {e}")
+        return env.create_symintnode(e, hint=int(e.xreplace(point)))
+
+    gm = graph_serde.graph_from_data(data["graph"])
+    nodes = {n.name: n for n in gm.graph.nodes}
+    tracer = PythonKeyTracer()  # set_meta as the trace sets it
+    tracer.graph = gm.graph
+    for name, origin in data["autograd_node"].items():
+        nodes[name].meta["autograd_node"] = str(origin)
+    filled = set()
+    for name, spec in data["inputs"]:
+        node = nodes[name]
+        dtype = getattr(torch, spec["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"no dtype {spec['dtype']!r}")
+        device = torch.device(spec["device"])
+        shape = [size(s) for s in spec["shape"]]
+        stride = [size(s) for s in spec["stride"]]
+        offset = size(spec["offset"])
+        if len(shape) != len(stride):
+            raise ValueError(f"input {name}: sizes and strides differ in length")
+        with fake_mode:
+            if isinstance(offset, int) and offset == 0:
+                fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            else:
+                extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+                base = torch.empty((extent,), dtype=dtype, device=device)
+                fake = base.as_strided(shape, stride, offset)
+        set_meta(torch.fx.Proxy(node, tracer), fake)
+        node.meta["cagrad_requires_grad"] = bool(spec["requires_grad"])
+        filled.add(node)
+    for name, d in data["sizes"]:
+        node = nodes[name]
+        set_meta(torch.fx.Proxy(node, tracer), size(d))
+        filled.add(node)
+    for ph in ("inputs", "sizes"):
+        if any(n not in filled for n in _reads(gm, ph)):
+            raise ValueError(f"a read of {ph} has no value")
+    if env is None:
+        if data["size_inputs"]:
+            raise ValueError("a static graph with size inputs")
+        size_inputs = []
+    else:
+        size_inputs = [check.function(expr_from_data(d, by_name)) for d in data["size_inputs"]]
+
+    def to_value(x: Any) -> Any:
+        if isinstance(x, torch.SymInt):
+            return check.function(x.node.expr)
+        return lambda *_sym, x=x: x
+
+    return Traced(
+        gm,
+        _int_list(data["input_indices"], "input_indices"),
+        [(int(pos), int(i)) for pos, i in data["leaf_outputs"]],
+        [None if i is None else int(i) for i in data["capture_outputs"]],
+        [bool(a) for a in data["aliases_input"]],
+        bool(data["accumulate_at_end"]),
+        check,
+        size_inputs,
+        to_value,
+        list(plans),
+        frozenset(),
+        env,
+    )
+
+
+# -- files ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Record:
+    """A capture ready to be written once its compile succeeded."""
+
+    path: str
+    blob: bytes
+
+
+class DiskCache:
+    """The graphs of one cache directory (see the module docstring).
+
+    Args:
+        directory: where the files are; created on the first store.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def path_of(self, key: bytes) -> str:
+        return os.path.join(self.directory, hashlib.sha256(key).hexdigest() + SUFFIX)
+
+    def load(self, collected: Any, compiler_fn: Any, dynamic: bool) -> Any:
+        """The stored capture of this backward, rebuilt, or None (nothing
+        stored, not storable, or its size check rejects these sizes).
+        Counts ``disk_hits``.
+
+        Raises:
+            cagrad.CacheFileError: the file for this key cannot be used.
+        """
+        if collected_reason(collected, compiler_fn) is not None:
+            return None
+        try:
+            key = disk_key(collected.keys, compiler_fn, dynamic)
+        except Exception:  # noqa: BLE001 - no key, no lookup (the store skips it too)
+            log.debug("cagrad: no disk key for this backward", exc_info=True)
+            return None
+        path = self.path_of(key)
+        try:
+            raw = pathlib.Path(path).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CacheFileError(path, f"it cannot be read ({e})") from e
+        data = _parse(path, raw, key)
+        values = collected.collector.sizes.values
+        try:
+            traced = traced_from_data(data, collected.collector.plans, values)
+        except Exception as e:  # noqa: BLE001 - a record that does not rebuild is unusable
+            raise CacheFileError(path, f"its graph cannot be rebuilt ({type(e).__name__}: {e})") from e
+        if traced is None:
+            log.debug("cagrad: the stored graph %s does not accept these sizes; tracing", path)
+            return None
+        counters.bump("disk_hits")
+        log.debug("cagrad: graph loaded from %s", path)
+        return traced
+
+    def record(self, collected: Any, traced: Any, compiler_fn: Any, dynamic: bool) -> Record | None:
+        """The file a fresh capture would be stored as, checked by rebuilding
+        it; None (counted in ``disk_skips``, reason logged) when it may not
+        be stored or does not rebuild exactly. Call it before compiling."""
+        reason = collected_reason(collected, compiler_fn) or traced_reason(traced)
+        try:
+            if reason is None:
+                key = disk_key(collected.keys, compiler_fn, dynamic)
+                data = traced_to_data(traced)
+                text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+                reason = _round_trip_problem(text, traced, collected)
+        except NotSerializable as e:
+            reason = f"unserializable:{e.reason}"
+            log.debug("cagrad: graph not stored (%s)", e)
+        except Exception as e:  # noqa: BLE001 - a record that cannot be made is not stored
+            reason = f"record_failed:{type(e).__name__}"
+            log.debug("cagrad: no record for this graph", exc_info=True)
+        if reason is not None:
+            counters.bump("disk_skips")
+            log.debug("cagrad: graph not stored on disk (%s)", reason)
+            return None
+        body = json.loads(text)
+        body["key"] = base64.b64encode(key).decode()
+        return Record(self.path_of(key), _file_bytes(key, body))
+
+    def store(self, record: Record) -> None:
+        """Writes ``record`` atomically; counts ``disk_stores`` (a write that
+        fails is logged as a warning and counted in ``disk_skips``)."""
+        try:
+            _write_atomic(record.path, record.blob)
+        except OSError as e:
+            counters.bump("disk_skips")
+            log.warning("cagrad: could not write the cache file %s: %s", record.path, e)
+            return
+        counters.bump("disk_stores")
+        log.debug("cagrad: graph stored in %s", record.path)
+
+
+def _round_trip_problem(text: str, traced: Any, collected: Any) -> str | None:
+    """None if the record rebuilds the same record and graph code."""
+    try:
+        again = traced_from_data(json.loads(text), collected.collector.plans, traced.check.expected, hints=False)
+    except Exception as e:  # noqa: BLE001 - whatever fails is a reason not to store
+        log.debug("cagrad: a stored graph would not rebuild", exc_info=True)
+        return f"rebuild_failed:{type(e).__name__}"
+    if again is None:
+        return "rebuild_rejects_sizes"
+    if again.graph_module.code != traced.graph_module.code:
+        return "rebuild_code_differs"
+    if json.loads(json.dumps(traced_to_data(again))) != json.loads(text):
+        return "rebuild_record_differs"
+    return None
+
+
+def _file_bytes(key: bytes, body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    header = {
+        **_versions(),
+        "key_sha256": hashlib.sha256(key).hexdigest(),
+        "body_sha256": hashlib.sha256(payload).hexdigest(),
+        "body_bytes": len(payload),
+    }
+    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
+
+
+def _parse(path: str, raw: bytes, key: bytes) -> dict[str, Any]:
+    """The body of a cache file, checked against ``key``.
+
+    Raises:
+        cagrad.CacheFileError: see its docstring.
+    """
+    if not raw.startswith(MAGIC):
+        raise CacheFileError(path, "it is not a cagrad graph cache file (no magic line)")
+    end = raw.find(b"\n", len(MAGIC))
+    if end < 0:
+        raise CacheFileError(path, "it is truncated (no complete header line)")
+    try:
+        header = json.loads(raw[len(MAGIC) : end])
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        raise CacheFileError(path, f"its header is not JSON ({e})") from e
+    ours = _versions()
+    named = (("format", "file format"), ("torch", "torch"), ("python", "Python"), ("cagrad", "cagrad source"))
+    for field, what in named:
+        if header.get(field) != ours[field]:
+            raise CacheFileError(
+                path, f"it was written for {what} {header.get(field)!r}; this process has {ours[field]!r}"
+            )
+    if header.get("key_sha256") != hashlib.sha256(key).hexdigest():
+        raise CacheFileError(path, "its header names another key")
+    body = raw[end + 1 :]
+    if len(body) != header.get("body_bytes"):
+        raise CacheFileError(
+            path,
+            f"it is truncated or has extra bytes (body {len(body)} bytes, header says {header.get('body_bytes')})",
+        )
+    if hashlib.sha256(body).hexdigest() != header.get("body_sha256"):
+        raise CacheFileError(path, "its body does not match its checksum (corrupt)")
+    try:
+        data = json.loads(body)
+        stored_key = base64.b64decode(data["key"], validate=True)
+    except Exception as e:  # noqa: BLE001 - whatever the body is, it is not ours
+        raise CacheFileError(path, f"its body is not a cagrad record ({type(e).__name__}: {e})") from e
+    if stored_key != key:
+        raise CacheFileError(path, "the key stored in it is not the key it was looked up for")
+    return data
+
+
+def _write_atomic(path: str, blob: bytes) -> None:
+    """Writes ``blob`` to a temporary file next to ``path``, then renames it."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

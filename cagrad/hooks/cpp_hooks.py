@@ -1,0 +1,165 @@
+"""Hooks registered from C++: the ones cagrad knows, and how it runs them.
+
+A hook added from C++ (``Node::add_post_hook`` and friends) is in none of the
+Python dicts :mod:`cagrad.hooks.hooks_census` reads, and no Python API lists it.
+cagrad therefore watches the Python objects that register such hooks being
+constructed, and runs their hooks itself, as opaque calls at the place eager
+runs them.
+
+Known today: DDP's ``torch.distributed.Reducer``. Its constructor adds to the
+``AccumulateGrad`` of each parameter it reduces a post-hook that calls
+``Reducer::autograd_hook(index)`` (``index``: the parameter's position in the
+constructor's ``params``), unless the Python reducer is used; the hook marks
+the gradient ready and launches its bucket's allreduce, and the last one
+queues ``finalize_backward`` on the current GraphTask from C++. cagrad puts a
+subclass in ``torch.distributed.Reducer`` (what DDP constructs) that records
+each parameter's ``(reducer, index)``, calls ``reducer._autograd_hook(index)``
+after the parameter's ``AccumulateGrad`` and its post-accumulate-grad hooks,
+and runs the graph inside a host GraphTask of torch's (:mod:`cagrad.run.host`) so
+that the C++ callback has one to go to.
+
+Limits (see the README's fallback table): a Reducer constructed before
+``import cagrad`` is found by scanning live ``DistributedDataParallel``
+modules at import; hooks added from C++ by anything else are not run by
+cagrad: they are detected (:mod:`cagrad.autograd._hook_counts`) and their backward
+falls back to eager (``invisible_hooks``).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+_lock = threading.Lock()
+# id(param) -> (weakref to the param, [ReducerHook, ...])
+_hooks: dict[int, tuple[weakref.ref, list[ReducerHook]]] = {}
+
+
+class ReducerHook:
+    """The post-hook a DDP ``Reducer`` added to one parameter's AccumulateGrad.
+
+    Calling it runs ``Reducer::autograd_hook(index)`` (through the binding
+    ``Reducer._autograd_hook``), which needs a current GraphTask of torch's
+    for the callback it may queue.
+    """
+
+    __slots__ = ("_reducer", "index", "__weakref__")
+
+    def __init__(self, reducer: Any, index: int) -> None:
+        try:
+            self._reducer = weakref.ref(reducer)
+        except TypeError:  # torch's own class (found by the scan at import)
+            self._reducer = lambda: reducer
+        self.index = index
+
+    @property
+    def alive(self) -> bool:
+        r = self._reducer()
+        return r is not None and not getattr(r, "_cagrad_hooks_removed", False)
+
+    def __call__(self) -> None:
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer._autograd_hook(self.index)
+
+
+def _record(reducer: Any, params: Any) -> None:
+    with _lock:
+        for index, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                continue
+            key = id(p)
+            entry = _hooks.get(key)
+            if entry is None or entry[0]() is not p:
+                entry = _hooks[key] = (weakref.ref(p, lambda _, key=key: _forget(key)), [])
+            entry[1].append(ReducerHook(reducer, index))
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _hooks.pop(key, None)
+
+
+def any_live() -> bool:
+    """Whether some parameter has a known C++ hook (checked once per backward)."""
+    return bool(_hooks)
+
+
+def post_hooks_of(variable: torch.Tensor) -> tuple[ReducerHook, ...]:
+    """The C++ post-hooks of ``variable``'s AccumulateGrad cagrad knows, in
+    registration order (empty if none)."""
+    entry = _hooks.get(id(variable))
+    if entry is None or entry[0]() is not variable:
+        return ()
+    return tuple(h for h in entry[1] if h.alive)
+
+
+def _argument_position(init: Any, name: str) -> int | None:
+    """Where argument ``name`` sits in a pybind11 ``__init__`` (read from its
+    signature line, ``__init__(self: ..., params: ..., ...)``); the list
+    grows between torch versions."""
+    doc = (getattr(init, "__doc__", None) or "").split("\n", 1)[0]
+    names = re.findall(r"[(,]\s*(\w+):", doc)
+    if name not in names:
+        return None
+    return names.index(name) - 1  # after self
+
+
+def _reducer_class(base: type) -> type:
+    python_reducer_at = _argument_position(base.__init__, "use_python_reducer")
+
+    class Reducer(base):  # type: ignore[misc, valid-type]
+        __doc__ = base.__doc__
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            params = kwargs["params"] if "params" in kwargs else args[0]
+            at = python_reducer_at
+            python_reducer = kwargs.get(
+                "use_python_reducer", args[at] if at is not None and len(args) > at else False
+            )
+            if not python_reducer:  # the Python reducer adds no C++ hooks
+                _record(self, list(params))
+
+        def _remove_autograd_hooks(self) -> None:
+            super()._remove_autograd_hooks()
+            self._cagrad_hooks_removed = True
+
+    Reducer.__module__ = base.__module__
+    Reducer.__qualname__ = base.__qualname__
+    return Reducer
+
+
+def install() -> None:
+    """Puts the recording Reducer in ``torch.distributed`` and records the
+    reducers of live DDP modules (constructed before cagrad was imported)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # a torch built without distributed
+        return
+    if not dist.is_available() or getattr(dist.Reducer, "_cagrad_recording", False):
+        return
+    cls = _reducer_class(dist.Reducer)
+    cls._cagrad_recording = True
+    dist.Reducer = cls
+    _scan_live_ddp()
+
+
+def _scan_live_ddp() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DistributedDataParallel):
+            reducer = getattr(obj, "reducer", None)
+            if reducer is None or getattr(obj, "_use_python_reducer", False):
+                continue
+            try:
+                params = obj._build_params_for_reducer()[0]
+            except Exception:  # noqa: BLE001  (a DDP internals change: not seen)
+                continue
+            _record(reducer, params)

@@ -1,0 +1,277 @@
+"""Which tensor hooks are traced into the graph, and the fingerprint that keys them.
+
+A tensor pre-hook (``Tensor.register_hook``) runs, by default, as an opaque
+call: the graph is cut there and the hook runs in Python with the backward's
+own objects. A hook that is a *pure tensor function of its gradient* can
+instead be traced into the graph like a backward formula, so the backward
+compiles as one graph (as torch's compiled autograd does when Dynamo
+inlines a hook). "Pure" cannot be proven for Python in general; this module
+accepts a narrow class it can check from the hook's code, and everything
+else stays opaque, which is always correct:
+
+* a plain Python function (not a bound method, ``functools.partial`` or a
+  callable object), not a generator, with no nested function, class or
+  comprehension, and no ``try``;
+* its bytecode only loads and stores locals, reads globals and its closure,
+  calls, does arithmetic, comparisons, subscripts, jumps and loops: no
+  ``STORE_GLOBAL``, ``STORE_ATTR``, ``STORE_SUBSCR``, ``STORE_DEREF``,
+  ``DELETE_*``, ``IMPORT_*``, and no in-place operator (``g += 1``);
+* no attribute it reads names an in-place method (``mul_``), something
+  private (``_foo``), random sampling, or a side-effecting namespace or
+  method (``distributed``, ``cuda``, ``register_hook``, ``data``, ``grad``,
+  ``item``, ``save``, ... see :data:`_DENIED_ATTRS`);
+* every global it reads is one of the modules in :data:`_MODULES`, a
+  builtin in :data:`_BUILTINS`, a function or class of those modules, a
+  dtype, or a constant (None, bool, int, float, complex, str, dtype,
+  device, or tuples of those); every closure cell and default value is a
+  constant or one of those objects.
+
+Tensor values never steer a trace: under fake tensors a hook that branches
+on a value (``if g.norm() > 1``) fails to trace, and the hook then runs
+opaque (:meth:`cagrad.capture.compiler.AutogradCompilerInstance.opaque`).
+
+The **fingerprint** of such a hook goes into the node's CacheKey: a
+sha256 over its code (bytecode, constants, names, argument counts and
+flags) and the values of the globals, closure cells and defaults it reads
+(modules and functions by qualified name, constants by type and value), so
+a hook recreated every step (``t.register_hook(lambda g: g * s)``) keeps
+hitting while a changed ``s`` recaptures. It depends on the Python version
+(bytecode) but on no address or hash seed, so keys stay deterministic.
+
+A backward's hooks are traced only when no other code of the user's runs
+during it (no node pre-/post-hooks, post-accumulate-grad hooks, custom
+Functions, nodes run as they are or untraceable tensor hooks): such code
+could change a hook dict after the key was read
+(:meth:`cagrad.keys.compiled_node_args.Collector.finish`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import dis
+import hashlib
+import inspect
+import math
+import operator
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional
+
+FINGERPRINT_BYTES = 8  #: digest bytes written into the key
+
+#: modules a traced hook may read as globals (by identity)
+_MODULES = frozenset(
+    {torch, torch.nn.functional, torch.special, torch.linalg, torch.fft, math, operator}
+)
+#: modules whose functions a traced hook may read (the ones above and the
+#: C modules torch's functions are defined in)
+_FUNCTION_MODULES = frozenset(m.__name__ for m in _MODULES) | {
+    "torch._C._VariableFunctions", "torch.functional", "torch._C._nn", "torch._C._special",
+    "torch._C._linalg", "torch._C._fft",
+}
+
+#: builtins a traced hook may call (pure on tensors and Python numbers)
+_BUILTINS = frozenset(
+    getattr(builtins, n)
+    for n in (
+        "abs", "min", "max", "float", "int", "bool", "len", "isinstance", "range",
+        "tuple", "list", "round", "sum", "pow", "slice", "enumerate", "zip", "divmod",
+    )
+)
+
+_DENIED_ATTRS = frozenset(
+    {
+        "distributed", "cuda", "mps", "xpu", "backends", "autograd", "utils", "ops", "library",
+        "compiler", "profiler", "distributions", "jit", "fx", "hub", "testing", "overrides",
+        "save", "load", "data", "grad", "register_hook", "register_post_accumulate_grad_hook",
+        "retain_grad", "backward", "item", "tolist", "numpy", "storage", "untyped_storage",
+        "data_ptr", "record_stream", "manual_seed", "seed", "initial_seed", "get_rng_state",
+        "share_memory_", "pin_memory", "apply_", "map_", "print", "detach_", "requires_grad_",
+        "resize_", "set_", "copy_", "zero_", "fill_",
+    }
+)
+_DENIED_PREFIXES = ("set_", "use_", "enable", "disable", "register", "manual_", "load", "save",
+                    "compile", "synchronize", "empty_cache")
+# random sampling: names that start with "rand", contain "dropout", or are these
+_RANDOM = frozenset({"bernoulli", "normal", "multinomial", "poisson", "rrelu", "gumbel_softmax",
+                     "channel_shuffle", "native_channel_shuffle", "binomial"})
+
+#: opcodes of the accepted class (Python 3.10 to 3.13 spellings)
+_OPCODES = frozenset(
+    {
+        "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "COPY_FREE_VARS", "PUSH_NULL", "POP_TOP",
+        "COPY", "SWAP", "ROT_TWO", "ROT_THREE", "DUP_TOP", "DUP_TOP_TWO",
+        "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW",
+        "LOAD_FAST_BORROW_LOAD_FAST_BORROW", "STORE_FAST", "STORE_FAST_LOAD_FAST",
+        "STORE_FAST_STORE_FAST", "LOAD_CONST", "LOAD_SMALL_INT", "RETURN_VALUE", "RETURN_CONST",
+        "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_ATTR", "LOAD_METHOD", "PRECALL", "CALL", "CALL_KW",
+        "KW_NAMES", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_METHOD", "CALL_FUNCTION_EX",
+        "BINARY_OP", "BINARY_SUBSCR", "BINARY_SLICE", "BUILD_SLICE", "BUILD_TUPLE", "BUILD_LIST",
+        "LIST_EXTEND", "LIST_APPEND", "LIST_TO_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP",
+        "DICT_MERGE", "FORMAT_VALUE", "FORMAT_SIMPLE", "BUILD_STRING", "UNARY_NEGATIVE",
+        "UNARY_NOT", "UNARY_INVERT", "UNARY_POSITIVE", "TO_BOOL", "COMPARE_OP", "IS_OP",
+        "CONTAINS_OP", "POP_JUMP_IF_FALSE", "POP_JUMP_IF_TRUE", "POP_JUMP_IF_NONE",
+        "POP_JUMP_IF_NOT_NONE", "POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_FORWARD_IF_TRUE",
+        "POP_JUMP_BACKWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_TRUE", "POP_JUMP_FORWARD_IF_NONE",
+        "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_BACKWARD_IF_NONE",
+        "POP_JUMP_BACKWARD_IF_NOT_NONE", "JUMP_IF_FALSE_OR_POP", "JUMP_IF_TRUE_OR_POP",
+        "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE",
+        "JUMP", "JUMP_NO_INTERRUPT", "GET_ITER", "FOR_ITER", "END_FOR", "POP_ITER",
+        "NOT_TAKEN", "UNPACK_SEQUENCE", "UNPACK_EX", "LOAD_ASSERTION_ERROR", "RAISE_VARARGS",
+    }
+)
+_REJECTED_FLAGS = (
+    inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+    | inspect.CO_ITERABLE_COROUTINE
+)
+
+# code object -> (digest of the code, names it reads as globals) or None
+_CODE: dict[types.CodeType, tuple[bytes, tuple[str, ...]] | None] = {}
+
+
+def _denied(attr: str) -> bool:
+    if attr.startswith("__") and attr.endswith("__"):
+        return False
+    if attr.startswith("_") or attr.endswith("_") or attr in _DENIED_ATTRS:
+        return True
+    low = attr.lower()
+    return (
+        low.startswith(_DENIED_PREFIXES)
+        or low.startswith("rand")
+        or "dropout" in low
+        or low in _RANDOM
+    )
+
+
+def _const_text(v: Any) -> str | None:
+    """A deterministic text for a code constant, or None if not accepted."""
+    if v is None or v is Ellipsis or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return f"{type(v).__name__}:{v.hex() if isinstance(v, float) else repr(v)}"
+    if isinstance(v, tuple):
+        parts = [_const_text(x) for x in v]
+        return None if None in parts else "(" + ",".join(parts) + ")"  # type: ignore[arg-type]
+    if isinstance(v, frozenset):
+        parts = [_const_text(x) for x in v]
+        return None if None in parts else "{" + ",".join(sorted(parts)) + "}"  # type: ignore[arg-type]
+    return None  # a nested code object (function, class, comprehension)
+
+
+def _analyze(code: types.CodeType) -> tuple[bytes, tuple[str, ...]] | None:
+    if code.co_flags & _REJECTED_FLAGS or code.co_cellvars:
+        return None
+    consts = [_const_text(c) for c in code.co_consts]
+    if None in consts:
+        return None
+    global_names: list[str] = []
+    for ins in dis.get_instructions(code):
+        name = ins.opname
+        if name not in _OPCODES:
+            return None
+        if name == "BINARY_OP" and ins.argrepr.endswith("=") and ins.argrepr not in ("==", "!="):
+            return None  # an in-place operator: g += 1
+        if name == "LOAD_GLOBAL":
+            if ins.argval not in global_names:
+                global_names.append(ins.argval)
+        elif name in ("LOAD_ATTR", "LOAD_METHOD") and _denied(ins.argval):
+            return None
+    h = hashlib.sha256()
+    for part in (
+        code.co_code,
+        "\0".join(consts).encode(),
+        "\0".join(code.co_names).encode(),
+        f"{code.co_argcount},{code.co_posonlyargcount},{code.co_kwonlyargcount},"
+        f"{code.co_nlocals},{code.co_flags},{len(code.co_freevars)}".encode(),
+    ):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest(), tuple(global_names)
+
+
+def _object_text(v: Any) -> str | None:
+    """A deterministic text for a global, closure or default value, or None."""
+    if isinstance(v, types.ModuleType):
+        return f"module:{v.__name__}" if v in _MODULES else None
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return f"{type(v).__name__}:{v}"
+    if callable(v):
+        try:
+            if v in _BUILTINS:  # builtin functions and classes: abs, float, range, ...
+                return f"builtin:{v.__name__}"
+        except TypeError:  # unhashable
+            return None
+        module = getattr(v, "__module__", None)
+        qualname = getattr(v, "__qualname__", None) or getattr(v, "__name__", None)
+        if (
+            isinstance(module, str)
+            and isinstance(qualname, str)
+            and module in _FUNCTION_MODULES
+            and not _denied(qualname.rsplit(".", 1)[-1])
+        ):
+            return f"function:{module}.{qualname}"
+        return None
+    return _const_text(v)
+
+
+def fingerprint(hook: Any) -> bytes | None:
+    """The fingerprint of a hook this module accepts for tracing, else None.
+
+    Args:
+        hook: a tensor hook as ``Tensor.register_hook`` stored it.
+
+    Returns:
+        :data:`FINGERPRINT_BYTES` bytes: equal for hooks with the same code
+        and the same values of everything they read from outside.
+    """
+    if type(hook) is not types.FunctionType:
+        return None
+    code = hook.__code__
+    try:
+        static = _CODE[code]
+    except KeyError:
+        static = _CODE[code] = _analyze(code)
+    if static is None:
+        return None
+    digest, global_names = static
+    parts: list[str] = []
+    g = hook.__globals__
+    for name in global_names:
+        if name in g:
+            v = g[name]
+        elif hasattr(builtins, name):
+            v = getattr(builtins, name)
+        else:
+            return None  # a NameError at run time: eager raises it
+        text = _object_text(v)
+        if text is None:
+            return None
+        parts.append(f"{name}={text}")
+    for cell in hook.__closure__ or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            return None  # an empty cell
+        text = _object_text(v)
+        if text is None:
+            return None
+        parts.append(text)
+    for v in hook.__defaults__ or ():
+        text = _object_text(v)
+        if text is None:
+            return None
+        parts.append(text)
+    for k, v in sorted((hook.__kwdefaults__ or {}).items()):
+        text = _object_text(v)
+        if text is None:
+            return None
+        parts.append(f"{k}={text}")
+    h = hashlib.sha256(digest)
+    h.update("\0".join(parts).encode())
+    return h.digest()[:FINGERPRINT_BYTES]
+
+
+def dict_fingerprints(hooks: Mapping[Any, Any]) -> list[bytes | None]:
+    """The fingerprint of each hook of one tensor's hook dict, in order."""
+    return [fingerprint(h) for h in list(hooks.values())]

@@ -1,0 +1,437 @@
+"""The cache-hit path: one generated check-and-collect function per graph.
+
+The full collection (:mod:`cagrad.keys.compiled_node_args`) serializes every
+node's CacheKey again on every backward and walks the trie with the bytes.
+That is the source of truth, and it costs about 10 us per node. A
+:class:`HitGuard` is the shortcut for a graph seen before: at capture, cagrad
+writes Python source specialized to that graph (as Dynamo writes guard code
+for a frame), which walks a new graph along the captured structure and
+compares only what the key bytes depend on:
+
+* the structure: the same node types reached through the same edges, the
+  same number of distinct nodes, and the same order of their sequence
+  numbers (the eager run order is a function of these alone, see
+  :mod:`cagrad.autograd.graph_task`);
+* each traced node's non-tensor attributes (compared by type and value,
+  floats by their binary64 bytes as the key writes them), each saved
+  tensor's metadata (type, layout, dtype, device, requires_grad, rank) and
+  each edge target's input metadata;
+* the leaves (still leaves, their metadata) and the absence of hooks: the
+  census must report no hook anywhere (no live node hook dict, tensor hook,
+  hook added from C++, foreign saved-tensor hooks), each leaf has no hook
+  of its own, and the C++ reader of hook lists finds none on any node.
+
+In the same pass it fills what the full collection would produce for the
+graph: the lifted tensors (root gradients, then saved tensors in run
+order) and the size slot values, in the same order, which the CacheNode's
+variants then match as before. Anything that differs returns None and the
+backward takes the full path (collection, trie lookup, maybe a capture), so
+a guard can only make a hit faster, never create one: a graph it accepts has
+the key sequence it was built from. With ``CAGRAD_VERIFY_GUARDS=1`` (the
+test suite sets it) every accepted backward is also collected in full and
+the two are compared (``cagrad.compiled_backward._verify_hit``).
+
+Only whole-graph backwards are guarded: ``backward()`` without ``inputs=``,
+without ``create_graph``, with every node traced or a leaf's
+AccumulateGrad, non-leaf roots, no hooks and no complex dtypes. Others take
+the full path as before. The generated source is logged with
+``CAGRAD_LOGS=guards`` (logger ``cagrad.guards``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..autograd import saved_variables
+from ..autograd.walk import Kind
+from .cache_key import KeyWriter
+from .compiled_node_args import _int64
+
+log = logging.getLogger("cagrad.guards")
+
+_ELIGIBLE = (Kind.ROOT, Kind.TRACED, Kind.ACCUMULATE)
+MAX_GUARDS = 8  # guards tried per backward, most recently hit first
+
+
+def verify_enabled() -> bool:
+    """``CAGRAD_VERIFY_GUARDS=1``: check every guarded hit against the full path."""
+    return os.environ.get("CAGRAD_VERIFY_GUARDS", "") not in ("", "0")
+
+
+@dataclasses.dataclass
+class Hit:
+    """What a guard collected for one backward.
+
+    Attributes:
+        tensors: the lifted tensors, as ``Collector.args.tensors`` holds them.
+        values: the size slot values, as ``SizeInputs.values``.
+        order: the nodes in run order (None for the virtual GraphRoot).
+    """
+
+    tensors: list[torch.Tensor]
+    values: list[int]
+    order: tuple
+
+
+@dataclasses.dataclass
+class HitGuard:
+    """The generated check-and-collect function of one cached graph.
+
+    Attributes:
+        node: the CacheNode its key sequence ends at.
+        fn: ``fn(roots, grad_tensors, counts) -> (tensors, values, order)``
+            or None; ``counts`` is the C++ hook-list reader or None.
+        release_slots: ``(run position, attribute, index)`` of each lifted
+            saved tensor, released after a backward without retain_graph.
+        source: the generated Python source (logged, for review).
+        release_positions: the run positions of ``release_slots``, once
+            each (whole nodes are released where the C++ extension is
+            available: :func:`cagrad.autograd.saved_variables.release_nodes`).
+    """
+
+    node: Any
+    fn: Callable[..., Any]
+    release_slots: list[tuple[int, str, int]]
+    source: str
+    release_positions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.release_positions = tuple(sorted({pos for pos, _, _ in self.release_slots}))
+
+    def __call__(self, roots: Sequence[Any], grads: Sequence[Any], counts: Any) -> Hit | None:
+        try:
+            got = self.fn(roots, grads, counts)
+        except (RuntimeError, ValueError):
+            # RuntimeError: unpacking a saved tensor failed (freed, modified
+            # in place): the full path raises eager's error for it.
+            # ValueError: a node has another number of edges
+            return None
+        return None if got is None else Hit(*got)
+
+
+def eligible_call(call: Any) -> bool:
+    """Whether a backward call can take a guarded hit at all (cheap)."""
+    return bool(call.accumulate_grad) and not call.create_graph and not call.inputs
+
+
+def census_is_clear(census: Any) -> bool:
+    """No hook of any kind may be live anywhere (see :class:`~cagrad.hooks.hooks_census.Census`).
+
+    Foreign saved-tensor hooks (``census.claim_slots``: checkpointing or
+    ``saved_tensors_hooks`` were used in this process) are checked per graph
+    instead, by :func:`has_foreign_saved_hooks`.
+    """
+    return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
+
+
+def has_foreign_saved_hooks(hit: Hit) -> bool:
+    """Whether a node of the hit may carry pack hooks that are not cagrad's
+    (created while default saved-tensor hooks were pushed); the full path
+    then claims its slots (see :mod:`cagrad.autograd.saved_variables`)."""
+    return any(
+        n is not None and type(n).__name__ != "AccumulateGrad" and saved_variables.may_have_foreign_hooks(n)
+        for n in hit.order
+    )
+
+
+def build(collected: Any, call: Any, cache_node: Any) -> HitGuard | None:
+    """Generates the guard of a graph just captured, or None if it is not
+    eligible (see the module docstring; the reason is logged)."""
+    why = _ineligible(collected, call)
+    if why is not None:
+        log.debug("no guard for this graph: %s", why)
+        return None
+    gen = _Generator(collected)
+    source = gen.source()
+    namespace = dict(gen.consts)
+    exec(compile(source, f"<cagrad guard {id(cache_node):x}>", "exec"), namespace)  # noqa: S102
+    guard = HitGuard(cache_node, namespace["guard"], gen.release_slots, source)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("guard for a graph of %d nodes:\n%s", len(collected.task.order), source)
+    return guard
+
+
+def _ineligible(collected: Any, call: Any) -> str | None:
+    collector = collected.collector
+    task = collected.task
+    if not eligible_call(call):
+        return "autograd.grad, inputs= or create_graph"
+    if collector.any_opaque or collector.needs_host:
+        return "hooks or nodes run as they are"
+    if task.output_edges or not task.accumulate_grad:
+        return "inputs="
+    for t in call.tensors:
+        if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+            return "a leaf root"
+    for plan in collector.plans:
+        if plan.kind not in _ELIGIBLE or plan.hooks is not None:
+            return f"a node of kind {plan.kind.name}"
+    if any(t.is_complex() for t in collector.args.tensors):
+        return "a complex tensor"
+    for call_, plan in zip(task.order, collector.plans):
+        if plan.kind is Kind.ACCUMULATE and call_.node.variable.is_complex():
+            return "a complex leaf"
+    return None
+
+
+_pack_d = struct.Struct("<d").pack
+
+
+def _key_bytes(v: Any) -> bytes:
+    w = KeyWriter()
+    w.value(v)
+    return w.getvalue()
+
+
+def _types(v: Any) -> tuple:
+    return tuple(map(type, v))
+
+
+class _Generator:
+    """Writes the guard's source from a collected backward (capture time)."""
+
+    def __init__(self, collected: Any) -> None:
+        self.task = collected.task
+        self.collector = collected.collector
+        self.lines: list[str] = []
+        self.consts: dict[str, Any] = {
+            "_Tensor": torch.Tensor,
+            "_pack_d": _pack_d,
+            "_key_bytes": _key_bytes,
+            "_types": _types,
+            "_int64": _int64,
+            "_lt": operator.lt,
+            "_eq": operator.eq,
+        }
+        self.var: dict[int, str] = {}  # discovery id -> local name
+        self.md_loaded: set[int] = set()
+        self.release_slots: list[tuple[int, str, int]] = []
+        self._lifted = iter(self.collector.args.tensors)
+        args = self.collector.args
+        self._saved_of = {
+            (id(slot[0]), slot[1], slot[2]): t for slot, t in zip(args.slots, args.tensors) if slot is not None
+        }
+
+    def const(self, value: Any) -> str:
+        name = f"K{len(self.consts)}"
+        self.consts[name] = value
+        return name
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def fail_if(self, cond: str) -> None:
+        cond, _, comment = cond.partition("  # ")
+        self.emit(f"if {cond}: return None" + (f"  # {comment}" if comment else ""))
+
+    def source(self) -> str:
+        self._structure()
+        self._run_order()
+        self.emit("V = []")
+        self.emit("L = []")
+        self._graph_task_key()
+        for pos, call in enumerate(self.task.order):
+            self._node(pos, call)
+        order = ", ".join("None" if c.node is None else self.var[c.id] for c in self.task.order)
+        self.emit(f"return L, V, ({order},)")
+        return "def guard(roots, grads, counts):\n" + "\n".join(self.lines) + "\n"
+
+    # -- structure: roots, then the dependency walk's discovery order --------
+    def _structure(self) -> None:
+        task = self.task
+        self.fail_if(f"len(roots) != {len(task.root_edges)}")
+        self.fail_if(f"len(grads) != {len(task.root_edges)}")
+        order: list[Any] = []
+        for i, (fn, nr) in enumerate(task.root_edges):
+            self.emit(f"t = roots[{i}]")
+            self.fail_if(f"not isinstance(t, _Tensor) or t.output_nr != {nr}")
+            cid = task.call_of[fn].id
+            if cid in self.var:
+                self.fail_if(f"t.grad_fn is not {self.var[cid]}")
+                continue
+            name = self.var[cid] = f"n{cid}"
+            self.emit(f"{name} = t.grad_fn")
+            self.fail_if(f"type({name}) is not {self.const(type(fn))}  # {type(fn).__name__}")
+            order.append(fn)
+        # the walk of GraphTask._discover: a stack, popped last first. Each
+        # node's edges are unpacked in one statement (a ValueError, from
+        # another edge count, is a miss: HitGuard.__call__), then their input
+        # numbers, absent edges, the known nodes' identity and the new
+        # nodes' types are compared in one condition
+        stack = list(order)
+        seen = {task.call_of[fn].id for fn in order}
+        while stack:
+            fn = stack.pop()
+            src = self.var[task.call_of[fn].id]
+            edges = task.call_of[fn].edges
+            if not edges:
+                self.fail_if(f"{src}.next_functions")
+                continue
+            targets, numbers, new_names, new_nodes, same, absent = [], [], [], [], [], []
+            for k, (nxt, input_nr) in enumerate(edges):
+                if nxt is None:
+                    targets.append(f"(u{k}, _)")
+                    absent.append(f"u{k} is not None")
+                    continue
+                cid = task.call_of[nxt].id
+                if cid in self.var:
+                    targets.append(f"(u{k}, i{k})")
+                    same.append(f"u{k} is not {self.var[cid]}")
+                else:
+                    name = self.var[cid] = f"n{cid}"
+                    targets.append(f"({name}, i{k})")
+                    new_names.append(name)
+                    new_nodes.append(nxt)
+                numbers.append((f"i{k}", input_nr))
+                if cid not in seen:
+                    seen.add(cid)
+                    stack.append(nxt)
+            self.emit(", ".join(targets) + f", = {src}.next_functions")
+            conds = [f"{v} != {nr}" for v, nr in numbers] + absent + same
+            conds += [f"type({n}) is not {self.const(type(x))}" for n, x in zip(new_names, new_nodes)]
+            if conds:
+                self.fail_if(" or ".join(conds) + "  # " + ", ".join(type(x).__name__ for x in new_nodes))
+        real = [c for c in task.calls if c.node is not None]
+        names = ", ".join(self.var[c.id] for c in real)
+        self.emit(f"N = ({names},)")
+        # distinct objects: two captured nodes must not be one node now
+        self.fail_if(f"len(set(map(id, N))) != {len(real)}")
+
+    def _run_order(self) -> None:
+        # the ready queue compares sequence numbers only: the same order of
+        # them, ties included, gives the same run order. With the nodes
+        # permuted into their captured sorted order, each adjacent pair must
+        # again be strictly increasing, or equal where it was a tie (a stable
+        # sort then yields the same permutation)
+        real = [c for c in self.task.calls if c.node is not None]
+        seq = [c.node._sequence_nr() for c in real]
+        perm = sorted(range(len(seq)), key=seq.__getitem__)
+        if len(perm) < 2:
+            return
+        ordered = [seq[i] for i in perm]
+        less = [a < b for a, b in zip(ordered, ordered[1:])]
+        equal = [a == b for a, b in zip(ordered, ordered[1:])]
+        nodes = ", ".join(self.var[real[i].id] for i in perm)
+        self.emit(f"s = [x._sequence_nr() for x in ({nodes},)]")
+        self.emit("r = s[1:]")
+        self.fail_if(f"list(map(_lt, s, r)) != {self.const(less)}")
+        if any(equal):
+            self.fail_if(f"list(map(_eq, s, r)) != {self.const(equal)}")
+
+    # -- the GraphTask key: root gradients, root edges ----------------------
+    def _graph_task_key(self) -> None:
+        task = self.task
+        for i in range(len(task.root_edges)):
+            t = next(self._lifted)
+            self.emit(f"g = grads[{i}]")
+            self.fail_if("g is None")
+            self._tensor("g", t)
+            self.emit("L.append(g.detach())" if t.requires_grad else "L.append(g)")
+        for fn, input_nr in task.root_edges:
+            self._metadata(task.call_of[fn], input_nr)
+
+    def _tensor(self, name: str, t: torch.Tensor) -> None:
+        meta = (type(t), t.layout, t.dtype, t.device, t.requires_grad, t.dim())
+        self.emit(f"z = {name}.shape")
+        self.fail_if(
+            f"(type({name}), {name}.layout, {name}.dtype, {name}.device, "
+            f"{name}.requires_grad, len(z)) != {self.const(meta)}"
+        )
+        self.emit("V += z")
+        self.emit(f"V += {name}.stride()")
+        self.emit(f"V.append({name}.storage_offset())")
+
+    def _metadata(self, target: Any, input_nr: int) -> None:
+        md = target.input_metadata[input_nr]
+        name = self.var[target.id]
+        if target.id not in self.md_loaded:
+            self.md_loaded.add(target.id)
+            self.emit(f"m{target.id} = {name}._input_metadata")
+        self.emit(f"m = m{target.id}[{input_nr}]")
+        self.emit("z = m.shape")
+        meta = (False, md.dtype, md.device, len(md.shape))
+        self.fail_if(f"(m.is_nested_tensor, m.dtype, m.device, len(z)) != {self.const(meta)}")
+        self.emit("V += z")
+
+    # -- one node, as Collector.collect writes it ----------------------------
+    def _node(self, pos: int, call: Any) -> None:
+        task = self.task
+        if call.node is None:  # GraphRoot
+            for fn, input_nr in task.root_edges:
+                self._metadata(task.call_of[fn], input_nr)
+            return
+        n = self.var[call.id]
+        self.fail_if(f"counts is not None and counts({n}, True) is not None")
+        plan = self.collector.plans[pos]
+        if plan.kind is Kind.ACCUMULATE:
+            self.emit(f"v = {n}.variable")
+            self.fail_if("v.grad_fn is not None or v._backward_hooks")
+            self.fail_if("getattr(v, '_post_accumulate_grad_hooks', None)")
+            self._tensor("v", call.node.variable)
+            return
+        schema = call.schema
+        node = call.node
+        for attr in schema.values:
+            self._value(f"{n}._saved_{attr}", getattr(node, "_saved_" + attr))
+        for attr in schema.sym_values:
+            self._sym_value(f"{n}._saved_{attr}", getattr(node, "_saved_" + attr))
+        for attr in schema.tensors:
+            self._saved(pos, f"{n}._saved_{attr}", attr, -1)
+        for attr in schema.tensor_lists:
+            count = len(getattr(node, "_raw_saved_" + attr))
+            self.emit(f"ts = {n}._saved_{attr}")
+            self.fail_if(f"len(ts) != {count}")
+            for i in range(count):
+                self._saved(pos, f"ts[{i}]", attr, i)
+        for fn, input_nr in call.edges:
+            if fn is not None:
+                self._metadata(task.call_of[fn], input_nr)
+
+    def _value(self, expr: str, v: Any) -> None:
+        self.emit(f"a = {expr}")
+        if v is None or v is True or v is False:
+            self.fail_if(f"a is not {v}")
+        elif type(v) in (int, str):
+            self.fail_if(f"type(a) is not {type(v).__name__} or a != {v!r}")
+        elif type(v) is float:
+            self.fail_if(f"type(a) is not float or _pack_d(a) != {self.const(_pack_d(v))}")
+        elif isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+            self.fail_if(f"a is not {self.const(v)}")
+        elif type(v) in (tuple, list) and all(type(x) is int for x in v):
+            self.fail_if(f"type(a) is not {type(v).__name__} or a != {self.const(v)} or _types(a) != {self.const(_types(v))}")
+        else:
+            self.fail_if(f"_key_bytes(a) != {self.const(_key_bytes(v))}")
+
+    def _sym_value(self, expr: str, v: Any) -> None:
+        self.emit(f"a = {expr}")
+        if v is None:
+            self.fail_if("a is not None")
+        elif isinstance(v, (tuple, list)):
+            self.fail_if(f"not isinstance(a, (tuple, list)) or len(a) != {len(v)}")
+            self.emit("V += map(_int64, a)")
+        else:
+            self.fail_if("a is None or isinstance(a, (tuple, list))")
+            self.emit("V.append(_int64(a))")
+
+    def _saved(self, pos: int, expr: str, attr: str, index: int) -> None:
+        self.emit(f"x = {expr}")
+        # the same rule as Collector._lift: None, or a lifted tensor
+        captured = self._peek_saved(pos, attr, index)
+        if captured is None:
+            self.fail_if("x is not None")
+            return
+        self.fail_if("x is None")
+        self._tensor("x", captured)
+        self.emit("L.append(x)")
+        self.release_slots.append((pos, attr, index))
+
+    def _peek_saved(self, pos: int, attr: str, index: int) -> Any:
+        return self._saved_of.get((id(self.task.order[pos].node), attr, index))

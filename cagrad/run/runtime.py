@@ -1,0 +1,204 @@
+"""The runtime wrapper: runs a compiled backward and applies its results.
+
+Two shapes of compiled backward:
+
+* whole graph (no hook, no opaque node): one compiled callable; the leaf
+  gradients it returns are accumulated into ``.grad`` after it, the engine's
+  AccumulateGrad semantics included (see :mod:`cagrad.autograd.accumulate`);
+* segmented (:mod:`cagrad.capture.segments`): compiled segments and opaque calls in
+  eager's order, ``.grad`` updated in order by the graph itself, and the
+  interpreter finishing the backward if a run-time check fails.
+
+Either way the saved tensors are released afterwards unless ``retain_graph``,
+and ``autograd.grad``'s results are returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..autograd import run_context, saved_variables
+from ..autograd.accumulate import accumulate_all
+from ..autograd.walk import Kind
+from ..capture import segments
+from ..capture.compiler import NON_STRIDED, runtime_objects
+from ..compile.cuda_graphs import BorrowedOutputs
+from ..counters import counters
+from . import interpreter
+
+log = logging.getLogger("cagrad")
+
+UNUSED_MESSAGE = (
+    "One of the differentiated Tensors appears to not have been used in the "
+    "graph. Set allow_unused=True if this is the desired behavior."
+)
+
+
+def graph_inputs(entry: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The graph's ``inputs`` list from the lifted tensors (unused ones pruned)."""
+    return [tensors[i] for i in entry.traced.input_indices]
+
+
+def call_whole(
+    entry: Any, tensors: list[torch.Tensor], sizes: list[int], hand_over: bool = False
+) -> list[torch.Tensor]:
+    """Calls a whole-graph compiled backward on the lifted ``tensors`` and ``sizes``.
+
+    Args:
+        hand_over: the caller has released the saved tensors and needs
+            ``tensors`` no more: it is emptied, so that a boxed graph
+            (:mod:`cagrad.compile.boxed`) holds the only references and frees each
+            input after its last use, as eager frees a node's saved tensors
+            once the node has run.
+    """
+    inputs = graph_inputs(entry, tensors)
+    if hand_over:
+        tensors.clear()
+    with run_context.grad_mode():
+        outs = entry.fn(inputs, sizes, [], [], [])
+    del inputs
+    entry.calls += 1
+    return outs if isinstance(outs, BorrowedOutputs) else list(outs)
+
+
+def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor]) -> list:
+    """Accumulates the leaf gradients; returns the ``autograd.grad`` results.
+
+    Args:
+        order: the backward's nodes in run order (the leaves' AccumulateGrad
+            nodes are read from it by position).
+        outs: the graph's outputs; :class:`~cagrad.compile.cuda_graphs.BorrowedOutputs`
+            (a CUDA graph's, overwritten by its next replay) are never
+            stolen into ``.grad`` and results are cloned.
+    """
+    traced = entry.traced
+    if isinstance(outs, BorrowedOutputs):
+        # a CUDA graph's outputs: the next replay overwrites them
+        never = [False] * len(outs)
+        accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), never)
+        return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
+    stealable = [not a for a in traced.aliases_input]
+    seen: set[int] = set()
+    for i, out in enumerate(outs):
+        # a backend may hand back one buffer for two outputs (e.g. after CSE);
+        # only one of them may become a .grad without a copy
+        ptr = out.untyped_storage().data_ptr()
+        if ptr:
+            if ptr in seen:
+                stealable[i] = False
+            seen.add(ptr)
+    accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
+    return [None if i is None else outs[i] for i in traced.capture_outputs]
+
+
+def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list[int]) -> list:
+    """Runs a segmented backward; returns the ``autograd.grad`` results."""
+    traced = entry.traced
+    objects = runtime_objects(collected.collector, collected.task, traced.force_opaque)
+    resumed: list[list] = []
+
+    def on_speculation_failed(step: Any, result: Any, env: dict) -> list:
+        counters.bump("deopts")
+        entry.deopts += 1
+        point = step.resume
+        pattern = _pattern(step, result)
+        entry.last_deopt = ((point.pos, point.phase), pattern)
+        log.info(
+            "cagrad: %s returned %s where the graph assumed a strided gradient; "
+            "the interpreter finishes this backward",
+            step.node.meta.get("autograd_node", step.node.name),
+            "a non-strided gradient" if NON_STRIDED in pattern else "None",
+        )
+        resumed.append(
+            interpreter.resume(
+                collected.task, traced.plans, objects, step.resume, env, result, False
+            )
+        )
+        return []
+
+    with run_context.grad_mode():
+        outs = segments.run(
+            entry.segmented,
+            graph_inputs(entry, collected.collector.args.tensors),
+            sizes,
+            sym_values,
+            objects,
+            on_speculation_failed,
+        )
+    entry.calls += 1
+    if resumed:
+        return resumed[0]
+    return [None if i is None else outs[i] for i in traced.capture_outputs]
+
+
+def _pattern(step: Any, result: Any) -> tuple:
+    """What an opaque call really returned, for the next capture's profile:
+    per result, whether it was defined, or :data:`NON_STRIDED`
+    for a non-strided gradient the graph cannot use."""
+    if isinstance(result, list):
+        free = step.layout_free
+        return tuple(_defined(v, i in free) for i, v in enumerate(result))
+    return (_defined(result, step.layout_free),)
+
+
+def _defined(value: Any, free: bool) -> Any:
+    if isinstance(value, torch.Tensor) and value.layout is not torch.strided and not free:
+        return NON_STRIDED
+    return value is not None
+
+
+def release(collected: Any, lifted: bool = True) -> None:
+    """Frees the saved tensors of every node that ran, as eager does.
+
+    Args:
+        lifted: also the slots whose tensors the graph read as inputs
+            (False when :func:`release_lifted` freed them before the call).
+    """
+    nodes = _nodes_of(collected.collector.args.slots) if lifted else []
+    nodes.extend(call.node for call in collected.collector.releases)
+    if saved_variables.release_nodes(nodes):
+        return
+    if lifted:
+        release_lifted(collected)
+    plans = collected.collector.plans
+    position = {id(call): pos for pos, call in enumerate(collected.task.order)}
+    for call in collected.collector.releases:
+        kind = plans[position[id(call)]].kind
+        if kind is Kind.CUSTOM:
+            saved_variables.release_custom(call.node)
+        else:
+            schema = call.schema
+            saved_variables.release_node(call.node, schema.tensors, schema.tensor_lists)
+
+
+def release_lifted(collected: Any) -> None:
+    """Frees the saved-tensor slots whose tensors the graph reads as inputs
+    (it holds them itself from then on)."""
+    release_slots(collected.collector.args.slots)
+
+
+def release_slots(slots: Sequence[Any]) -> None:
+    """Frees saved-tensor slots ``(node, attribute, index)`` (None: skipped):
+    with the C++ extension, every saved tensor of their nodes, as eager
+    releases a node that ran (all of them ran: a captured-only node lifts
+    no saved tensor)."""
+    if saved_variables.release_nodes(_nodes_of(slots)):
+        return
+    release_one = saved_variables.release
+    for slot in slots:
+        if slot is not None:
+            release_one(slot)
+
+
+def _nodes_of(slots: Sequence[Any]) -> list:
+    return [slot[0] for slot in slots if slot is not None]
+
+
+def check_unused(result: Sequence[Any], allow_unreachable: bool) -> None:
+    """Raises eager's error for an ``autograd.grad`` input with no gradient."""
+    if not allow_unreachable and any(r is None for r in result):
+        raise RuntimeError(UNUSED_MESSAGE)
