@@ -65,10 +65,18 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
     return dense_strides(t.shape, t.stride())
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Contiguous with no dim of size 0 or 1, so its strides are exactly the
+    contiguous ones (a size-1 dim's stride, or any stride of an empty
+    tensor, may be anything while ``is_contiguous()`` holds)."""
+    shape = t.shape
+    return 1 not in shape and 0 not in shape and t.is_contiguous()
+
+
 def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     if variable.is_nested or grad.is_sparse or variable.is_sparse:
         return False
-    if 1 not in variable.shape and variable.is_contiguous() and grad.is_contiguous():
+    if _plain(variable) and grad.is_contiguous():
         # the common case, decided in C: equal shapes (validate_outputs) and
         # no size-1 dim, so both have the contiguous strides
         return True
@@ -84,6 +92,10 @@ def obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
 
 
 def clone_obey_contract(grad: torch.Tensor, variable: torch.Tensor) -> torch.Tensor:
+    if _plain(variable):
+        # the common case, decided in C: the leaf has the contiguous
+        # strides, the ones a contiguous clone gets
+        return grad.clone(memory_format=torch.contiguous_format)
     if is_non_overlapping_and_dense(variable):
         out = grad.new_empty_strided(variable.shape, variable.stride())
         return out.copy_(grad)

@@ -176,3 +176,22 @@ def test_a_second_backward_raises_eagers_error(release, monkeypatch):
             y.backward()
     assert str(error.value).split(".")[0] == str(eager_error.value).split(".")[0]
     assert "backward through the graph a second time" in str(error.value)
+
+
+def test_a_copied_gradient_keeps_eagers_strides_for_odd_leaf_layouts():
+    # .grad copied for a leaf whose strides are not the contiguous ones
+    # although is_contiguous() holds (a size-1 dim with another stride, an
+    # empty tensor), and for a plain one: eager's copy (a leaf's backward
+    # with a gradient the caller still holds, so never stolen) against
+    # cagrad's accumulate_grad told the gradient may not be stolen
+    from cagrad.autograd.accumulate import accumulate_grad
+
+    for shape, stride in [((3, 1, 4), (4, 99, 1)), ((0, 5), (1, 7)), ((2, 3), (3, 1)), ((2, 3), (1, 2))]:
+        grad = torch.randn(shape)
+        ref = torch.empty_strided(shape, stride).requires_grad_()
+        ref.backward(grad)
+        leaf = torch.empty_strided(shape, stride).requires_grad_()
+        accumulate_grad(leaf, grad, stealable=False, create_graph=False)
+        assert leaf.grad is not grad
+        assert leaf.grad.stride() == ref.grad.stride(), shape
+        assert torch.equal(leaf.grad, ref.grad)
