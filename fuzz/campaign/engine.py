@@ -10,6 +10,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
@@ -78,6 +79,7 @@ class Campaign:
         self._start_failures = 0
         self._exit_status = 0
         self._settled: set[str] = set()
+        self._known: Any = None  # fuzz.known.KnownIssues, or None: --known none
 
     @property
     def report_path(self) -> Any:
@@ -97,7 +99,7 @@ class Campaign:
             from fuzz.known import KnownIssuesError
 
             try:
-                load_known(self.cfg.known)
+                self._known = load_known(self.cfg.known)
             except KnownIssuesError as e:
                 raise CampaignError(str(e)) from None
         self._pending = self.state.pending_rounds()
@@ -318,14 +320,25 @@ class Campaign:
             what = f"died with {signal_name(code)}"
         self._log(f"worker {slot} {what} running {subject} on a program of round {w.round} ({w.phase}); recorded, going on")
         task = (w.round, (w.index if w.phase == "gen" else w.last_gen) + 1)
+        rec = crash_record(w.program, subject, device, outcome, self.plugin_of.get(subject))
+        # a crash or hang the known-issues file lists is counted there, as a
+        # divergence is: not recorded, not shrunk, no effect on the exit status
+        issue = self._known.match(rec["signature"], torch.__version__) if self._known is not None else None
+        known = [] if issue is None else [
+            {"id": issue.id, "signature": rec["signature"], "note": issue.note or "", "link": issue.link or ""}
+        ]
         if w.phase == "gen" and not (self._stopping and self.cfg.max_programs is not None):
             program = Program.from_json(w.program)
             self.state.count_program(
                 {"ops": program.op_names(), "features": list(program.features()), "outcomes": [], "hits": [],
-                 "known": [], "build_error": None}
+                 "known": known, "build_error": None}
             )
             self._session_programs += 1
-        rec = crash_record(w.program, subject, device, outcome, self.plugin_of.get(subject))
+        if issue is not None:
+            self._log(f"known {issue.id}: {rec['signature']}")
+            self._save()
+            self._spawn(slot, task)
+            return
         f = self._record(rec)
         if f["shrunk"] is False and f["count"] == 1 and time.monotonic() < self._deadline + self.cfg.shrink_s:
             t = _Shrink(rec, self.cfg, slot, task)

@@ -47,3 +47,29 @@ def test_crashing_and_hanging_subjects_are_recorded_and_the_campaign_goes_on(tmp
     repro = subprocess.run([sys.executable, str(out / crash["reproducer"])], capture_output=True, timeout=120, cwd=ROOT)
     assert repro.returncode == -signal.SIGABRT
     assert (out / hang["reproducer"]).exists()
+
+
+def test_a_crash_the_known_issues_file_lists_is_counted_as_known_not_recorded(tmp_path: Path) -> None:
+    known = tmp_path / "known.toml"
+    known.write_text(
+        'schema = 1\n\n[[issue]]\nid = "abort-on-sin"\npattern = "abort[sin]@* crash crash: SIGABRT"\n'
+        'note = "the test subject aborts on SinBackward0"\n'
+    )
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "15", "--seed", "2",
+            "--out", str(out), "--workers", "1", "--shrink-seconds", "5", "--no-progress",
+            "--ops", "sin,neg,sum", "--max-ops", "2", "--no-hooks", "--known", str(known), "--neighbours", "0",
+            "--plugin", f"{CRASHING}:AbortOnSin",
+        ],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["failures"] == [] and report["exit_status"] == 0
+    (entry,) = report["known"]
+    assert (entry["id"], entry["signature"]) == ("abort-on-sin", "abort[sin]@cpu crash crash: SIGABRT")
+    # every crash was counted, and the programs beside them ran
+    assert 1 <= entry["count"] < report["programs_run"]
+    assert not (out / "failures").exists() or not any((out / "failures").iterdir())
