@@ -109,30 +109,31 @@ def test_planted_attribute_gives_a_field_level_diff_in_check_and_markdown(root, 
 
 
 def test_review_against_another_version(root, version_dir, tmp_path):
-    """review --against 2.11 compares the current captures with the 2.11 set."""
-    old = root / "torch-2.11"
+    """review --against 2.10 compares the current captures with the 2.10 set (a
+    version outside the supported 2.11-2.13, so never the current one)."""
+    old = root / "torch-2.10"
     shutil.copytree(version_dir, old)
-    for snap in old.glob("*.txt"):  # taken on 2.11: only the torch line differs
-        snap.write_text(re.sub(r"(?m)^torch: .*$", "torch: 2.11", snap.read_text(), count=1))
+    for snap in old.glob("*.txt"):  # "taken on 2.10": only the torch line differs
+        snap.write_text(re.sub(r"(?m)^torch: .*$", "torch: 2.10", snap.read_text(), count=1))
     path = old / "broadcast.txt"
     path.write_text(path.read_text().replace("    [6902] attribute alpha = 1", "    [6904] attribute alpha = 2").replace(
         "015400742d6902", "015400742d6904"
     ))
-    result = cli("--root", root, "review", "--against", "2.11", "broadcast", "views")
+    result = cli("--root", root, "review", "--against", "2.10", "broadcast", "views")
     assert result.exit_code == 0, result.output
     assert "NodeCall 1 AddBackward0: `attribute alpha` 2 -> 1" in result.output
     out = tmp_path / "review.md"
     result = cli(
-        "--root", root, "review", "--against", "2.11", "--format", "markdown", "--output", out, "broadcast", "views"
+        "--root", root, "review", "--against", "2.10", "--format", "markdown", "--output", out, "broadcast", "views"
     )  # fmt: skip
     assert result.exit_code == 0
     md = out.read_text()
-    assert "torch 2.11 snapshots vs the current capture" in md
+    assert "torch 2.10 snapshots vs the current capture" in md
     # the torch line alone is no change: views is ok, broadcast changed
     assert "**1 ok, 1 changed**" in md and "`views`" not in md
-    result = cli("--root", root, "review", "--against", "2.12")
+    result = cli("--root", root, "review", "--against", "2.9")
     assert result.exit_code == 2
-    assert "no snapshot set for torch 2.12" in result.output and "2.11" in result.output
+    assert "no snapshot set for torch 2.9" in result.output and "2.10" in result.output
 
 
 def test_at_least_forty_scenarios_each_described():
