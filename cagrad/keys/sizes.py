@@ -114,6 +114,16 @@ class SizeCheck:
             self._static_ok = lambda values: getter(values) == want
         else:
             self._static_ok = lambda values: True
+        # match's per-call work, read in C where it can be: each symbol's
+        # other slots in one tuple, and each distinct derived function
+        # (strides repeat a few products of the symbols) computed once and
+        # compared with all its slots in one tuple. symbols and derived are
+        # not changed after construction (tighten adds guards and ranges)
+        self._bind = [(slots[0], _tuple_getter(slots[1:]), len(slots) - 1) for slots in self.symbols]
+        by_fn: dict[int, tuple[Callable[..., Any], list[int]]] = {}
+        for slot, fn in self.derived:
+            by_fn.setdefault(id(fn), (fn, []))[1].append(slot)
+        self._derive = [(fn, _tuple_getter(slots), len(slots)) for fn, slots in by_fn.values()]
 
     @property
     def is_static(self) -> bool:
@@ -128,16 +138,15 @@ class SizeCheck:
         if not self._static_ok(values):
             return None
         sym_values = []
-        for slots, (lower, upper) in zip(self.symbols, self.ranges):
-            v = values[slots[0]]
-            for s in slots[1:]:
-                if values[s] != v:
-                    return None
+        for (first, others, n), (lower, upper) in zip(self._bind, self.ranges):
+            v = values[first]
+            if n and others(values) != (v,) * n:
+                return None
             if not lower <= v <= upper:
                 return None
             sym_values.append(v)
-        for slot, fn in self.derived:
-            if fn(*sym_values) != values[slot]:
+        for fn, slots, n in self._derive:
+            if slots(values) != (fn(*sym_values),) * n:
                 return None
         for guard in self.guards:
             if not guard(*sym_values):
@@ -151,6 +160,22 @@ class SizeCheck:
     def changed(self, values: Sequence[int]) -> set[int]:
         """Slots whose value differs from the captured one."""
         return {i for i, (a, b) in enumerate(zip(values, self.expected)) if a != b}
+
+
+def _tuple_getter(slots: Sequence[int]) -> Callable[[Sequence[int]], tuple]:
+    """``values -> tuple(values[i] for i in slots)``, in C (an itemgetter of
+    one index returns the item itself, not a 1-tuple)."""
+    if len(slots) == 1:
+        (i,) = slots
+        return lambda values: (values[i],)
+    if not slots:
+        return lambda values: ()
+    return operator.itemgetter(*slots)
+
+
+def _always_true(e: Any) -> bool:
+    """A guard the ShapeEnv simplified to true (it checks nothing)."""
+    return e is sympy.true or e is True
 
 
 def static_check(values: Sequence[int]) -> SizeCheck:
@@ -192,7 +217,11 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
             derived_exprs.append((slot, e))
     bound = list(groups)
     hints = [values[groups[sym][0]] for sym in bound]
-    derived = [(slot, _compile(bound, e, hints)) for slot, e in derived_exprs]
+    compiled: dict[Any, Callable[..., Any]] = {}  # strides repeat a few expressions
+    for _, e in derived_exprs:
+        if e not in compiled:
+            compiled[e] = _compile(bound, e, hints)
+    derived = [(slot, compiled[e]) for slot, e in derived_exprs]
     ranges = []
     for sym in bound:
         vr = shape_env.var_to_range.get(sym)
@@ -202,7 +231,7 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
     guards, guard_exprs = [], []
     for g in shape_env.guards:
         e = replace(g.expr)
-        if not e.is_number:
+        if not e.is_number and not _always_true(e):
             guards.append(_compile(bound, e, hints))
             guard_exprs.append(e)
     check = SizeCheck(
@@ -299,6 +328,8 @@ def tighten(check: SizeCheck, shape_env: Any, since: int) -> int:
             new.append(sympy.Eq(sym, target))
     for g in shape_env.guards[since:]:
         e = shape_env.replace(g.expr)
+        if _always_true(e):
+            continue
         if not e.is_number:
             new.append(e)
         elif not bool(e):
