@@ -149,13 +149,19 @@ def test_modes_keep_separate_caches() -> None:
 @cuda
 def test_replays_match_eager_across_optimizer_steps() -> None:
     """Parameters change in place every step (read in place by the graph);
-    the activations are new tensors every step (copied in)."""
+    the activations are new tensors every step, read in place where one
+    lands at the address it had the step before, else copied in."""
     for expected, got in _eager_and_graphed("cuda", [16], steps_per_batch=6):
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e)
     # step 1 captures, compiles and runs the graph as it is (the warm-up);
-    # step 2 records and replays; steps 3-6 replay
-    assert cagrad.counters["cudagraph_records"] == 1
+    # step 2 records and replays; steps 3-6 replay. Where the allocator puts
+    # the activations decides whether step 2's graph reads them in place: a
+    # later step whose activations moved records the graph that copies
+    # them (read in place: the parameters only, at the same addresses every
+    # step), which every step after it matches. So one or two records,
+    # depending on the allocator's state (earlier tests change it)
+    assert 1 <= cagrad.counters["cudagraph_records"] <= 2
     assert cagrad.counters["cudagraph_replays"] == 5
     assert cagrad.counters["fallbacks"] == 0
 
