@@ -234,6 +234,26 @@ def _own(slot: Slot) -> SavedTensorHolder | None:
     return ref() if ref is not None else None
 
 
+def _pack(slot: Slot) -> tuple[SavedTensorHolder, RuntimeError | None]:
+    """Packs a new holder into the slot: ``(holder, None)``, or the
+    ``RuntimeError`` torch raised (the slot is hooked already, undefined or
+    freed) in place of None."""
+    node = slot[0]
+    key = _key(slot)
+    h = SavedTensorHolder(f"{type(node).__name__}.{key}")
+    try:
+        _raw(slot).register_hooks(h.pack, h.unpack)
+    except RuntimeError as e:
+        return h, e
+    _refs(node)[key] = weakref.ref(h)
+    return h, None
+
+
+def _raise_if_freed(e: RuntimeError) -> None:
+    if "freed" in str(e):
+        raise EagerError(RuntimeError(FREED_MESSAGE)) from e
+
+
 def holder(slot: Slot) -> SavedTensorHolder:
     """The slot's holder, packing one into it on first use.
 
@@ -244,18 +264,12 @@ def holder(slot: Slot) -> SavedTensorHolder:
     h = _own(slot)
     if h is not None:
         return h
-    node = slot[0]
-    key = _key(slot)
-    h = SavedTensorHolder(f"{type(node).__name__}.{key}")
-    try:
-        _raw(slot).register_hooks(h.pack, h.unpack)
-    except RuntimeError as e:
-        if "freed" in str(e):
-            raise EagerError(RuntimeError(FREED_MESSAGE)) from e
+    h, e = _pack(slot)
+    if e is not None:
+        _raise_if_freed(e)
         raise Unsupported(
             "saved_tensors_hooks", f"{h.owner} has pack/unpack hooks that are not cagrad's ({e})"
         ) from e
-    _refs(node)[key] = weakref.ref(h)
     return h
 
 
@@ -272,20 +286,13 @@ def claim(slot: Slot) -> bool:
     """
     if _own(slot) is not None:
         return True
-    node = slot[0]
-    key = _key(slot)
-    h = SavedTensorHolder(f"{type(node).__name__}.{key}")
-    try:
-        _raw(slot).register_hooks(h.pack, h.unpack)
-    except RuntimeError as e:
-        message = str(e)
-        if "None" in message:
-            return True  # an undefined optional tensor
-        if "freed" in message:
-            raise EagerError(RuntimeError(FREED_MESSAGE)) from e
-        return False
-    _refs(node)[key] = weakref.ref(h)
-    return True
+    _, e = _pack(slot)
+    if e is None:
+        return True
+    if "None" in str(e):
+        return True  # an undefined optional tensor
+    _raise_if_freed(e)
+    return False
 
 
 def release(slot: Slot) -> None:

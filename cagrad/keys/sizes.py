@@ -217,11 +217,8 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
             derived_exprs.append((slot, e))
     bound = list(groups)
     hints = [values[groups[sym][0]] for sym in bound]
-    compiled: dict[Any, Callable[..., Any]] = {}  # strides repeat a few expressions
-    for _, e in derived_exprs:
-        if e not in compiled:
-            compiled[e] = _compile(bound, e, hints)
-    derived = [(slot, compiled[e]) for slot, e in derived_exprs]
+    compile_once = _compiler(bound, hints)
+    derived = [(slot, compile_once(e)) for slot, e in derived_exprs]
     ranges = []
     for sym in bound:
         vr = shape_env.var_to_range.get(sym)
@@ -232,7 +229,7 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
     for g in shape_env.guards:
         e = replace(g.expr)
         if not e.is_number and not _always_true(e):
-            guards.append(_compile(bound, e, hints))
+            guards.append(compile_once(e))
             guard_exprs.append(e)
     check = SizeCheck(
         list(values),
@@ -273,14 +270,7 @@ def rebuilt_check(
         ValueError: an expression uses a symbol that is not in ``bound``.
     """
     bound, hints = list(bound), list(hints)
-    compiled: dict[Any, Callable[..., Any]] = {}  # derived slots repeat expressions (strides)
-
-    def compile_once(e: Any) -> Callable[..., Any]:
-        fn = compiled.get(e)
-        if fn is None:
-            fn = compiled[e] = _compile(bound, e, hints)
-        return fn
-
+    compile_once = _compiler(bound, hints)
     check = SizeCheck(
         list(expected),
         list(static),
@@ -343,6 +333,22 @@ def tighten(check: SizeCheck, shape_env: Any, since: int) -> int:
             lower, upper = check.ranges[j]
             check.ranges[j] = (max(lower, float(vr.lower)), min(upper, float(vr.upper)))
     return len(new)
+
+
+def _compiler(bound: Sequence[sympy.Symbol], hints: Sequence[int]) -> Callable[[Any], Callable[..., Any]]:
+    """:func:`_compile` over ``bound``, once per distinct expression (the
+    derived slots of a graph repeat a few: strides are products of sizes),
+    so that equal expressions share one function (``SizeCheck.match``
+    computes each function once)."""
+    compiled: dict[Any, Callable[..., Any]] = {}
+
+    def compile_once(e: Any) -> Callable[..., Any]:
+        fn = compiled.get(e)
+        if fn is None:
+            fn = compiled[e] = _compile(bound, e, hints)
+        return fn
+
+    return compile_once
 
 
 def _compile(symbols: Sequence[sympy.Symbol], expr: Any, hints: Sequence[int]) -> Callable[..., Any]:
