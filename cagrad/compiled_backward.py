@@ -282,8 +282,6 @@ def run(
                 raise Unsupported("dynamic_shapes", "a fresh capture does not accept its own sizes")
         else:
             entry, sym_values = found
-        if entry.state is not None:
-            direct_compile.check_global_state(entry.state)
         fresh = node.guard is None and entry.segmented is None
         graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
         if entry.segmented is None:
@@ -371,8 +369,6 @@ def _run_guarded(
     entry, sym_values = found
     if hit_path.verify_enabled():
         _verify_hit(call, cache, guard, hit)
-    if entry.state is not None:
-        direct_compile.check_global_state(entry.state)
     graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
     _prepare_symbolic(entry, graph_sizes, hit.values)
     counters.bump("cache_hits")
@@ -546,7 +542,8 @@ def _capture(
         raise Unsupported(node.verdict.reason, node.verdict.detail)
     logs.miss(reason)
     sizes = collected.collector.sizes
-    shape_change = bool(node.variants)
+    state_change = node.state_change(sizes.values)
+    shape_change = bool(node.variants) and not state_change
     dynamic_slots = _dynamic_slots(node, sizes, dynamic)
     started = time.perf_counter()
     stored = disk.load(collected, compiler_fn, dynamic) if disk is not None else None
@@ -557,7 +554,10 @@ def _capture(
         node.verdict = FallbackVerdict(u.reason, u.detail)
         raise
     counters.bump("captures")
-    if shape_change:
+    if state_change:
+        counters.bump("recompiles_global_state")
+        logs.verbose_log.debug("global state changed since this graph was compiled: %s", state_change)
+    elif shape_change:
         counters.bump("recompiles_shape")
     elif root.captures:
         counters.bump("recompiles_new_node")

@@ -18,6 +18,8 @@ _INT_KEYS = (
     "fallbacks",  # backward passes run by eager autograd instead
     "recompiles_shape",  # captures caused by sizes that differ from a cached graph
     "recompiles_new_node",  # captures caused by a node or attribute never seen there
+    "recompiles_global_state",  # captures caused by a global state (grad mode, deterministic
+    # algorithms, thread count, ...) no compiled variant of that graph was compiled in
     "deopts",  # compiled backwards finished by the interpreter (a hook or opaque
     # node returned None where the graph assumed a gradient)
     "segment_compile_failures",  # graph segments run uncompiled after a backend error
@@ -43,7 +45,7 @@ class Counters(Mapping[str, Any]):
 
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
     ``guard_hits``, ``fallbacks``, ``recompiles_shape``,
-    ``recompiles_new_node``, ``deopts``, ``segment_compile_failures``,
+    ``recompiles_new_node``, ``recompiles_global_state``, ``deopts``, ``segment_compile_failures``,
     ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
     ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
     ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.compile.disk_cache`;

@@ -30,13 +30,16 @@ class Diagnosis:
             (the keys are known to run in eager), ``"recapture"`` (the keys
             were seen, their graph dropped), ``"new_node"`` (a node type
             never seen at that position), ``"key"`` (same node type, other
-            key bytes), ``"sizes"`` (same keys, sizes no variant accepts).
+            key bytes), ``"sizes"`` (same keys, sizes no variant accepts),
+            ``"global_state"`` (a variant accepts the sizes but was compiled
+            in another global state).
         node_index: run-order position of the node that differs.
         node_type: its type; ``cached_types``: the types cached there.
         byte_offset: first differing byte of the key (kind ``"key"``).
         changed: ``(slot, where, cached value, new value)`` (kind ``"sizes"``).
         guard: a failed guard, or a size-range violation, in words.
-        detail: the fallback verdict's reason (kind ``"fallback"``).
+        detail: the fallback verdict's reason (kind ``"fallback"``), or
+            what differs in the global state (kind ``"global_state"``).
     """
 
     hit: bool
@@ -56,6 +59,8 @@ class Diagnosis:
             return "cache miss: nothing cached yet for this compiler"
         if self.kind == "fallback":
             return f"eager runs this backward (cached verdict: {self.detail})"
+        if self.kind == "global_state":
+            return f"cache miss: the global state changed since the graph was compiled: {self.detail}"
         if self.kind == "recapture":
             return "cache miss: these keys were seen, but their graph was dropped after a failed speculation"
         where = "the GraphTask key" if self.node_index == -1 else f"node {self.node_index}"
@@ -106,6 +111,9 @@ def diagnose(root: CacheNode, keys: Sequence[CacheKey], sizes: SizeInputs) -> Di
         return Diagnosis(False, "recapture", len(keys) - 1)
     if node.match(sizes.values) is not None:
         return Diagnosis(True, "hit")
+    state = node.state_change(sizes.values)
+    if state:
+        return Diagnosis(False, "global_state", detail=state)
     return _size_diagnosis(node.variants[0].check, sizes)
 
 

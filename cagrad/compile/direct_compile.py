@@ -22,8 +22,8 @@ What Dynamo's guards checked is checked here instead:
   the graph, which does not mutate its inputs, is right for any aliasing;
 * global state (grad mode, deterministic algorithms, autocast, ...): the
   state at compile time is recorded with Dynamo's own ``GlobalStateGuard``
-  and checked before every call (:func:`global_state` and
-  :func:`check_global_state`).
+  (:func:`global_state`); a backward in another state does not run the
+  graph, it gets a variant of its own (``CacheNode.match``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import sympy
 import torch
 import torch.fx
 
-from ..autograd import run_context
 from ..counters import counters
 from ..errors import Unsupported
 from . import specialize
@@ -433,17 +432,3 @@ def global_state() -> Any:
     """Dynamo's ``GlobalStateGuard`` of the current state, taken under the
     grad mode compiled graphs run in (call it where the backend compiles)."""
     return torch._C._dynamo.guards.GlobalStateGuard()
-
-
-def check_global_state(state: Any) -> None:
-    """Raises Unsupported if the global state differs from ``state``.
-
-    Raises:
-        cagrad.Unsupported: reason ``global_state_changed``, naming what
-            changed (``grad_mode``, ``deterministic_algorithms``, ...).
-    """
-    with run_context.grad_mode():
-        if state.check():
-            return
-        what = state.reason()
-    raise Unsupported("global_state_changed", f"{what} differs from when the graph was compiled")

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..autograd import run_context
 from .cache_key import CacheKey
 
 if TYPE_CHECKING:  # the trace (cagrad.capture) builds on the keys, not back
@@ -33,8 +34,8 @@ class CompiledEntry:
             last failed check (``compiler.NON_STRIDED`` for a sparse
             gradient the graph would have used as a strided one).
         state: the global state a named backend compiled it in (Dynamo's
-            ``GlobalStateGuard``), checked before each call; None for a
-            callable compiler.
+            ``GlobalStateGuard``); only a backward in that state runs it
+            (:meth:`CacheNode.match`); None for a callable compiler.
     """
 
     fn: Callable[..., Any] | None
@@ -48,6 +49,23 @@ class CompiledEntry:
     @property
     def check(self) -> Any:
         return self.traced.check
+
+    def state_holds(self) -> bool:
+        """Whether the global state is the one it was compiled in (read
+        under the grad mode the backward runs its graph in, as at compile
+        time; always true for a callable compiler)."""
+        if self.state is None:
+            return True
+        with run_context.grad_mode():
+            return bool(self.state.check())
+
+    def state_change(self) -> str:
+        """What differs from the state it was compiled in (Dynamo's words:
+        ``grad_mode``, ``deterministic_algorithms``, ...), or ``""``."""
+        if self.state_holds():
+            return ""
+        with run_context.grad_mode():
+            return str(self.state.reason())
 
 
 @dataclasses.dataclass
@@ -115,12 +133,25 @@ class CacheNode:
         self.guards: list[Any] = []
 
     def match(self, values: Sequence[int]) -> tuple[CompiledEntry, list[int]] | None:
-        """The first variant whose size check accepts ``values``, with its symbol values."""
+        """The first variant whose size check accepts ``values`` and that was
+        compiled in the current global state, with its symbol values (a
+        backward in another state is a miss: a variant of its own is
+        captured for it, as Dynamo recompiles a frame when its global
+        state guard fails)."""
         for entry in self.variants:
             sym_values = entry.check.match(values)
-            if sym_values is not None:
+            if sym_values is not None and entry.state_holds():
                 return entry, sym_values
         return None
+
+    def state_change(self, values: Sequence[int]) -> str:
+        """Why no variant matched ``values`` when one would at its sizes but
+        was compiled in another global state (see :meth:`CompiledEntry.
+        state_change`), else ``""``."""
+        for entry in self.variants:
+            if entry.check.match(values) is not None:
+                return entry.state_change()
+        return ""
 
     def lookup(self, keys: Sequence[CacheKey]) -> CacheNode:
         """The node for ``keys``, creating the missing part of the path."""

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.backends.registry import register_backend
 
 import cagrad
+from cagrad import engine
 
 from .conftest import same
 
@@ -92,7 +93,10 @@ def test_one_tensor_saved_twice_then_two_tensors_is_not_read_as_one(backend, dyn
     assert cagrad.counters["cache_hits"] == 3
 
 
-def test_a_changed_global_state_falls_back_with_its_reason():
+def test_a_changed_global_state_gets_a_variant_of_its_own():
+    """A graph compiled with deterministic algorithms off is not run with
+    them on (Dynamo's GlobalStateGuard tells): that backward captures a
+    variant of its own, and each state then hits its own variant."""
     torch.manual_seed(0)
     w = torch.randn(5, 3, requires_grad=True)
     x = torch.randn(4, 5)
@@ -104,14 +108,23 @@ def test_a_changed_global_state_falls_back_with_its_reason():
 
     expected = step()
     before = torch.are_deterministic_algorithms_enabled()
+    compiled_in = []
     with cagrad.enable("aot_eager"):
-        same(expected, step())
-        try:
-            torch.use_deterministic_algorithms(True)
-            same(expected, step())
-        finally:
-            torch.use_deterministic_algorithms(before)
-        same(expected, step())
-    assert cagrad.counters["fallback_reasons"] == {"global_state_changed": 1}
-    assert cagrad.counters["captures"] == 1
-    assert cagrad.counters["cache_hits"] == 1
+        for deterministic in (False, True, False, True, False):
+            try:
+                torch.use_deterministic_algorithms(deterministic)
+                same(expected, step())
+                compiled_in.append(cagrad.counters["captures"])
+            finally:
+                torch.use_deterministic_algorithms(before)
+    assert compiled_in == [1, 2, 2, 2, 2]
+    c = cagrad.counters
+    assert (c["recompiles_global_state"], c["recompiles_shape"], c["cache_hits"], c["fallbacks"]) == (1, 0, 3, 0)
+    # one key sequence, two variants; in the original state only the first holds
+    stack, ends = [engine.cache_for("aot_eager", True)], []
+    while stack:
+        node = stack.pop()
+        ends += [node] if node.variants else []
+        stack.extend(node.children.values())
+    (node,) = ends
+    assert [v.state_holds() for v in node.variants] == [True, False]

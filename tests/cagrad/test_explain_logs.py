@@ -82,3 +82,24 @@ def test_cagrad_logs_env_parsing():
     finally:
         logs.set_logs()
     assert logs.log.level == logging.WARNING
+
+
+def test_explain_and_the_verbose_log_name_a_changed_global_state(model, caplog):
+    # "eager" is a named backend: its graphs record the global state
+    caplog.set_level(logging.DEBUG, logger="cagrad.verbose")
+    with cagrad.enable("eager", dynamic=False):
+        _mlp_loss(model, 4).backward()
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        d = cagrad.explain(_mlp_loss(model, 4), compiler_fn="eager", dynamic=False)
+        assert not d.hit and d.kind == "global_state" and d.detail
+        assert str(d).startswith("cache miss: the global state changed since the graph was compiled: ")
+        with cagrad.enable("eager", dynamic=False):
+            _mlp_loss(model, 4).backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    lines = [r.getMessage() for r in caplog.records if r.name == "cagrad.verbose"]
+    assert lines[1] == f"capture: {d}"
+    assert lines[2] == f"global state changed since this graph was compiled: {d.detail}"
+    assert cagrad.counters["recompiles_global_state"] == 1
