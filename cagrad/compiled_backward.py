@@ -537,7 +537,8 @@ def _capture(
 ) -> CompiledEntry:
     if len(node.variants) >= MAX_VARIANTS:
         node.verdict = FallbackVerdict(
-            "too_many_size_variants", f"{MAX_VARIANTS} size variants of one graph were compiled"
+            "too_many_size_variants",
+            f"{MAX_VARIANTS} variants of one graph (sizes or global states) were compiled",
         )
         raise Unsupported(node.verdict.reason, node.verdict.detail)
     logs.miss(reason)

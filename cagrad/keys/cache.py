@@ -65,7 +65,7 @@ class CompiledEntry:
         if self.state_holds():
             return ""
         with run_context.grad_mode():
-            return str(self.state.reason())
+            return str(self.state.reason()) or "global state"
 
 
 @dataclasses.dataclass

@@ -211,3 +211,23 @@ def test_duck_sized_equal_sizes_split_once_then_every_size_hits():
     assert cagrad.counters["recompiles_shape"] == 1
     assert cagrad.counters["cache_hits"] == len(batches) - 2
     assert cagrad.counters["fallbacks"] == 0
+
+
+def test_more_variants_than_the_bound_run_in_eager_with_the_reason():
+    """Sizes 1 are specialized, so each pattern of 1s among four dims is a
+    variant of its own; past MAX_VARIANTS the key sequence falls back (its
+    gradients are eager's), counted with the reason."""
+    import itertools
+
+    from cagrad.keys.cache import MAX_VARIANTS
+
+    patterns = list(itertools.product((1, 3), repeat=4))
+    for shape in patterns:
+        x = torch.randn(shape, requires_grad=True)
+        (want,) = torch.autograd.grad((x.sin() * 2).sum(), x)
+        with cagrad.enable("eager"):
+            (x.sin() * 2).sum().backward()
+        torch.testing.assert_close(x.grad, want)
+    c = cagrad.counters
+    assert c["captures"] == MAX_VARIANTS
+    assert c["fallback_reasons"] == {"too_many_size_variants": len(patterns) - MAX_VARIANTS}
