@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.campaign.config import atomic_write, slug
-from fuzz.campaign.state import REPORT_SCHEMA
+from fuzz.campaign.state import MAX_FALLBACK_SAMPLES, REPORT_SCHEMA
 
 
 class MergeError(Exception):
@@ -78,6 +78,7 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
         "build_errors": 0,
         "outcome_counts": {},
         "fallback_reasons": {},
+        "fallback_samples": {},
         "sequence_captures": {},
         "rounds": 0,
         "shard": None,
@@ -98,6 +99,11 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
             _add(merged[field], r.get(field, {}))
         for field in ("subjects", "devices"):
             merged[field] += [x for x in r.get(field, []) if x not in merged[field]]
+        for where, reasons in r.get("fallback_samples", {}).items():
+            for reason, paths in reasons.items():
+                kept = merged["fallback_samples"].setdefault(where, {}).setdefault(reason, [])
+                # paths into each shard's OUT (the files are not copied)
+                kept += [str(out / p) for p in paths][: max(0, MAX_FALLBACK_SAMPLES - len(kept))]
         t = r.get("throughput") or {}
         merged["throughput"]["programs_per_s"] += t.get("programs_per_s", 0.0)
         merged["throughput"]["workers"] += t.get("workers", 0)

@@ -200,7 +200,8 @@ class RoundRunner:
             "features": list(program.features()),
             "outcomes": _outcome_stats(verdict),
             "build_error": verdict.build_error,
-            "program": program.to_json(indent=None) if verdict.build_error else None,
+            # kept for build errors and fallbacks (samples of each, for triage)
+            "program": program.to_json(indent=None) if verdict.build_error or _fell_back(verdict) else None,
             "hits": [],
             "known": [],
         }
@@ -287,6 +288,11 @@ class RoundRunner:
 
     def _emit_failure(self, shrunk: bool) -> None:
         self.emit("failure", self._failure_payload(shrunk))
+
+
+def _fell_back(verdict: Verdict) -> bool:
+    """Whether some subject ran part of the program in eager (a fallback)."""
+    return verdict.report is not None and any(o.fallback_reasons for o in verdict.report.outcomes)
 
 
 def _outcome_stats(verdict: Verdict) -> list[dict[str, Any]]:

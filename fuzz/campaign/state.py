@@ -20,6 +20,7 @@ from fuzz.reproducer import write_reproducer
 REPORT_SCHEMA = 2
 STATE_SCHEMA = 2
 MAX_BUILD_ERROR_SAMPLES = 20
+MAX_FALLBACK_SAMPLES = 3  # programs kept per subject@device and fallback reason
 
 
 def new_state(cfg: CampaignConfig) -> dict[str, Any]:
@@ -35,6 +36,7 @@ def new_state(cfg: CampaignConfig) -> dict[str, Any]:
         "build_errors": 0,
         "outcome_counts": {},
         "fallback_reasons": {},
+        "fallback_samples": {},
         "sequence_captures": {},
         "elapsed_s": 0.0,
         "failures": [],
@@ -134,6 +136,8 @@ class CampaignState:
             for reason, n in o["fallback_reasons"].items():
                 r = s["fallback_reasons"].setdefault(where, {})
                 r[reason] = r.get(reason, 0) + n
+                if stats.get("program"):
+                    self._record_fallback_sample(where, reason, stats["program"])
             caps = o["captures"]
             if caps is not None:
                 seq = s["sequence_captures"].setdefault(
@@ -159,6 +163,19 @@ class CampaignState:
                 entry["count"] += 1
                 return
         self.s["known"].append({"id": k["id"], "signature": k["signature"], "count": 1, "note": k["note"], "link": k["link"]})
+
+    def _record_fallback_sample(self, where: str, reason: str, program_json: str) -> None:
+        """Keeps the first programs a subject ran in eager for ``reason``
+        (``OUT/fallbacks/``), listed in the report by path, for triage with
+        ``python -m fuzz replay PATH``."""
+        paths = self.s.setdefault("fallback_samples", {}).setdefault(where, {}).setdefault(reason, [])
+        if len(paths) >= MAX_FALLBACK_SAMPLES:
+            return
+        d = self.out / "fallbacks"
+        d.mkdir(exist_ok=True)
+        name = f"{slug(where + ' ' + reason)}-{len(paths) + 1}.json"
+        atomic_write(d / name, program_json)
+        paths.append(f"fallbacks/{name}")
 
     def _record_build_error(self, program_json: str, error: str) -> None:
         s = self.s
@@ -303,6 +320,7 @@ class CampaignState:
             "build_errors": s["build_errors"],
             "outcome_counts": s["outcome_counts"],
             "fallback_reasons": s["fallback_reasons"],
+            "fallback_samples": s.get("fallback_samples", {}),
             "sequence_captures": s["sequence_captures"],
             "rounds": len(s["rounds_done"]),
             "shard": s["shard"],

@@ -62,6 +62,11 @@ REPORT_SCHEMA: dict[str, Any] = {
         "build_errors": {"type": "integer", "minimum": 0},
         "outcome_counts": {"type": "object", "additionalProperties": _COUNTS},
         "fallback_reasons": {"type": "object", "additionalProperties": _COUNTS},
+        # per subject@device and reason: paths of programs that fell back (up to 3)
+        "fallback_samples": {
+            "type": "object",
+            "additionalProperties": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "string"}}},
+        },
         "sequence_captures": {"type": "object", "additionalProperties": _COUNTS},
         "torch_version": {"type": "string"},
         "rounds": {"type": "integer", "minimum": 0},

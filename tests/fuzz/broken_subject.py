@@ -75,3 +75,21 @@ class ForgetfulCagrad(harness.CagradSubject):
 
         engine.clear_caches()
         return super().run(run)
+
+
+class FallsBackOnExp(harness.EagerSubject):
+    """Eager autograd that reports a fallback (reason ``planted``) in its
+    counters whenever the backward graph holds an ``ExpBackward0`` node, as
+    cagrad reports the backwards it hands to eager."""
+
+    def __init__(self) -> None:
+        super().__init__("falls_back[exp]")
+        self.fallbacks = 0
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "ExpBackward0"):
+            self.fallbacks += 1
+        return run_backward(run)
+
+    def counters(self):
+        return {"fallbacks": self.fallbacks, "fallback_reasons": {"planted": self.fallbacks} if self.fallbacks else {}}

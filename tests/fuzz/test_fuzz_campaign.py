@@ -194,3 +194,24 @@ def test_a_campaign_stopped_by_sigterm_resumes_its_rounds(tmp_path: Path) -> Non
     assert again["programs_run"] == first + 3
     assert set(state["rounds_done"]) <= set(again["rounds_done"])
     assert len(again["sessions"]) == 2
+
+
+def test_programs_that_fell_back_are_kept_as_samples_per_reason(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _campaign(
+        "--budget", "60", "--max-programs", "25", "--seed", "4", "--out", str(out),
+        "--plugin", f"{HERE / 'broken_subject.py'}:FallsBackOnExp", "--no-progress", "--known", "none",
+        "--ops", "exp,sin,neg,sum", "--no-hooks", "--no-shapes", "--neighbours", "0",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    where = "falls_back[exp]@cpu"
+    fell_back = report["fallback_reasons"][where]["planted"]
+    samples = report["fallback_samples"][where]["planted"]
+    assert 1 <= len(samples) == min(3, report["outcome_counts"][where]["fallback"]) and fell_back >= len(samples)
+    for path in samples:
+        assert "exp" in Program.from_json((out / path).read_text()).op_names()
+    # a report with samples still passes the report schema
+    from fuzz.report.load import load_report
+
+    load_report(out / "report.json")
