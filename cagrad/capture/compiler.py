@@ -600,20 +600,8 @@ class AutogradCompilerInstance:
         hooks = self.collector.objects[index]
         graph = self.tracer.graph
         marker = self._last_node()
-        g = grad
         try:
-            for hook in list(hooks.values()):
-                res = hook(g)
-                if res is None or res is g:
-                    continue
-                if not isinstance(res, torch.Tensor) or (
-                    res.dtype != g.dtype
-                    or res.device != g.device
-                    or res.layout != g.layout
-                    or res.shape != g.shape
-                ):
-                    raise TypeError("the hook's result is not a gradient of the same kind")
-                g = res
+            g = runtime_ops.traced_tensor_pre_hooks(hooks, grad)
         except Exception as e:  # noqa: BLE001 - any failure: the hooks run opaque
             node = self._last_node()
             while node is not marker:

@@ -88,6 +88,23 @@ def tensor_pre_hooks(hooks: Mapping[Any, Callable], grad: Grad) -> Grad:
     return args[0]
 
 
+def _check_traceable(original: Grad, result: Any, hook: Any) -> None:
+    _check_single(original, result, hook)
+    if result is not None and result.device != original.device:
+        # eager compares device types only; a trace keeps the exact device
+        raise RuntimeError(f"hook '{hook_name(hook)}' has moved the gradient to {result.device}")
+
+
+def traced_tensor_pre_hooks(hooks: Mapping[Any, Callable], grad: Grad) -> Grad:
+    """:func:`tensor_pre_hooks` as a trace runs them (on fakes, recording
+    their ops, :mod:`cagrad.hooks.hook_tracing`): the same calls and checks,
+    and a result on another device index rejected too (the trace then runs
+    the hooks opaque, where eager's own rule applies)."""
+    args = [grad]
+    _call_hooks(hooks, args, _check_traceable)
+    return args[0]
+
+
 def retain_grad(tensor_ref: weakref.ref, grad: Grad) -> None:
     """The ``retains_grad`` hook of a non-leaf tensor (``Tensor.retain_grad``).
 

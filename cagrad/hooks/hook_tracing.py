@@ -235,38 +235,30 @@ def fingerprint(hook: Any) -> bytes | None:
     if static is None:
         return None
     digest, global_names = static
-    parts: list[str] = []
+    # (label, value) of everything the hook reads from outside: globals by
+    # name, closure cells and positional defaults in order, keyword defaults
+    read: list[tuple[str, Any]] = []
     g = hook.__globals__
     for name in global_names:
         if name in g:
-            v = g[name]
+            read.append((f"{name}=", g[name]))
         elif hasattr(builtins, name):
-            v = getattr(builtins, name)
+            read.append((f"{name}=", getattr(builtins, name)))
         else:
             return None  # a NameError at run time: eager raises it
-        text = _object_text(v)
-        if text is None:
-            return None
-        parts.append(f"{name}={text}")
     for cell in hook.__closure__ or ():
         try:
-            v = cell.cell_contents
+            read.append(("", cell.cell_contents))
         except ValueError:
             return None  # an empty cell
+    read += [("", v) for v in hook.__defaults__ or ()]
+    read += [(f"{k}=", v) for k, v in sorted((hook.__kwdefaults__ or {}).items())]
+    parts: list[str] = []
+    for label, v in read:
         text = _object_text(v)
         if text is None:
             return None
-        parts.append(text)
-    for v in hook.__defaults__ or ():
-        text = _object_text(v)
-        if text is None:
-            return None
-        parts.append(text)
-    for k, v in sorted((hook.__kwdefaults__ or {}).items()):
-        text = _object_text(v)
-        if text is None:
-            return None
-        parts.append(f"{k}={text}")
+        parts.append(label + text)
     h = hashlib.sha256(digest)
     h.update("\0".join(parts).encode())
     return h.digest()[:FINGERPRINT_BYTES]

@@ -62,9 +62,11 @@ class CompiledEntry:
     def state_change(self) -> str:
         """What differs from the state it was compiled in (Dynamo's words:
         ``grad_mode``, ``deterministic_algorithms``, ...), or ``""``."""
-        if self.state_holds():
+        if self.state is None:
             return ""
         with run_context.grad_mode():
+            if self.state.check():
+                return ""
             return str(self.state.reason()) or "global state"
 
 

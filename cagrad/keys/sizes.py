@@ -216,36 +216,28 @@ def symbolic_check(values: Sequence[int], slot_exprs: Sequence[Any], shape_env: 
         else:
             derived_exprs.append((slot, e))
     bound = list(groups)
-    hints = [values[groups[sym][0]] for sym in bound]
-    compile_once = _compiler(bound, hints)
-    derived = [(slot, compile_once(e)) for slot, e in derived_exprs]
     ranges = []
     for sym in bound:
         vr = shape_env.var_to_range.get(sym)
         lower = -float("inf") if vr is None else float(vr.lower)
         upper = float("inf") if vr is None else float(vr.upper)
         ranges.append((lower, upper))
-    guards, guard_exprs = [], []
+    guard_exprs = []
     for g in shape_env.guards:
         e = replace(g.expr)
         if not e.is_number and not _always_true(e):
-            guards.append(compile_once(e))
             guard_exprs.append(e)
-    check = SizeCheck(
-        list(values),
+    return rebuilt_check(
+        values,
         static,
         [groups[sym] for sym in bound],
-        derived,
+        derived_exprs,
         ranges,
-        guards,
         guard_exprs,
-        [str(sym) for sym in bound],
         bound,
-        hints,
-        [e for _, e in derived_exprs],
+        [values[groups[sym][0]] for sym in bound],
+        replace,
     )
-    check.function = lambda expr: _compile(bound, replace(expr), hints)  # type: ignore[method-assign]
-    return check
 
 
 def rebuilt_check(
@@ -259,9 +251,9 @@ def rebuilt_check(
     hints: Sequence[int],
     replace: Callable[[Any], Any],
 ) -> SizeCheck:
-    """The check :func:`symbolic_check` built, from its data: ``derived`` as
-    ``(slot, expression)`` and the guards as expressions over ``bound``
-    (used by :mod:`cagrad.compile.disk_cache`).
+    """A symbolic check from its data: ``derived`` as ``(slot, expression)``
+    and the guards as expressions over ``bound`` (what :func:`symbolic_check`
+    reads from a trace, and :mod:`cagrad.compile.disk_cache` from a file).
 
     ``replace``: the ShapeEnv's ``replace`` that :meth:`SizeCheck.function`
     applies first, as :func:`symbolic_check`'s does.
