@@ -21,7 +21,7 @@ from .keys.cache_key import CacheKey
 
 def enable(
     compiler_fn: CompilerFn = "inductor",
-    dynamic: bool = True,
+    dynamic: bool | None = None,
     mode: str | None = None,
     cache_dir: str | os.PathLike | bool | None = None,
 ) -> _Enabled:
@@ -41,17 +41,24 @@ def enable(
             ``torch.fx.GraphModule -> callable``. The callable gets graphs
             with the signature ``(inputs, sizes, scalars, hooks,
             packed_inputs)`` (lists) returning a list of gradients.
-        dynamic: with True (the default), sizes are symbols from the first
+        dynamic: None (the default): the first capture of a graph is
+            static; the first backward that differs from it only in sizes
+            traces the graph once more with every size that may be dynamic
+            as a symbol, after which any sizes are a cache hit (the static
+            graph keeps serving the sizes it was traced for). Tracing with
+            symbols costs 2 to 12 times a static trace (torch's ``SymInt``
+            arithmetic on every op), which a loop whose sizes never change
+            does not pay this way. True: sizes are symbols from the first
             capture: a backward that differs from a cached one only in sizes
             is a cache hit, and the backend compiles the graph for any size.
-            Sizes equal at capture share a symbol (duck sizing, as
-            ``torch.compile``'s): when they stop being equal (a batch of 4
-            beside a layer width of 4, then a batch of 5) the graph is
-            traced once more with them apart, and hits from then on.
-            With False, sizes start static; the first time a backward differs
-            from a cached one only in sizes, the sizes that changed become
-            symbols and the graph is traced once more, after which any value
-            of them is a cache hit (torch's compiled autograd's
+            With None or True, sizes equal at capture share a symbol (duck
+            sizing, as ``torch.compile``'s): when they stop being equal (a
+            batch of 4 beside a layer width of 4, then a batch of 5) the
+            graph is traced once more with them apart, and hits from then
+            on. False: sizes start static; the first time a backward differs
+            from a cached one only in sizes, only the sizes that changed
+            become symbols and the graph is traced once more, after which any
+            value of them is a cache hit (torch's compiled autograd's
             STATIC -> DYNAMIC ``SizeInput``). Either way, sizes a C++ node
             keeps with no Python formula stay static (see
             :mod:`cagrad.autograd.formulas`).
@@ -88,7 +95,8 @@ def enable(
     Raises:
         TypeError / ValueError: for a ``compiler_fn`` that is neither a
             registered backend name nor a callable (on entering); an
-            unknown ``mode`` (ValueError, at once).
+            unknown ``mode`` or a ``dynamic`` other than None, True and
+            False (ValueError, at once).
         RuntimeError: on leaving contexts out of order, or from another
             thread (the context stays open and can still be left properly).
         cagrad.CacheFileError: from a backward whose file in the cache
@@ -98,6 +106,8 @@ def enable(
             backward has run. Delete the file named in the error. A file
             that cannot be written is logged (warning) and skipped.
     """
+    if dynamic not in (None, True, False):
+        raise ValueError(f"cagrad.enable: dynamic must be None, True or False, not {dynamic!r}")
     return _Enabled(compiler_fn, dynamic, check_mode(mode), cache_dir)
 
 
@@ -105,7 +115,7 @@ class _Enabled:
     """The context manager :func:`enable` returns (single use)."""
 
     def __init__(
-        self, compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False, cache_dir: Any = None
+        self, compiler_fn: CompilerFn, dynamic: bool | None, cuda_graphs: bool = False, cache_dir: Any = None
     ) -> None:
         self._args = (compiler_fn, dynamic, cuda_graphs, cache_dir)
         self._state: engine.EnableState | None = None

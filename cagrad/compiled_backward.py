@@ -238,7 +238,7 @@ def run(
     compiler_fn: Any,
     compile_graph: Callable[..., Callable[..., Any]],
     eager_engine: Any,
-    dynamic: bool,
+    dynamic: bool | None,
     cuda_graphs: bool = False,
     disk: disk_cache.DiskCache | None = None,
 ) -> Any:
@@ -485,23 +485,36 @@ def _respeculate(node: CacheNode, entry: CompiledEntry) -> None:
         )
 
 
-def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool) -> frozenset[int]:
+def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_sizes: bool = False) -> frozenset[int]:
     """Which size slots to trace as symbols for a new variant.
 
-    ``dynamic=True``: every slot that may be dynamic. ``dynamic=False``:
-    the slots whose values differ from the first variant's (accumulated), so
-    only sizes that did change become symbols (torch's compiled autograd
-    marks ``SizeInput``\\ s DYNAMIC the same way).
+    ``dynamic=True``: every slot that may be dynamic, from the first
+    capture on. ``dynamic=None``: the first capture of a key sequence is
+    static (tracing with symbols costs 2 to 12 times a static trace: torch's
+    ``SymInt`` arithmetic and sympy on every op, see ``docs/DESIGN.md``,
+    which a graph whose sizes never change should not pay); once a backward
+    differs from the first variant in a size that may be dynamic, every slot
+    that may be dynamic, so that one more capture serves any sizes (the
+    static variant keeps serving its own); also at once where the disk cache
+    holds this graph for other sizes (``other_sizes``: another process saw
+    them change, as Dynamo's profile-guided automatic dynamic remembers
+    across runs). ``dynamic=False``: the slots
+    whose values differ from the first variant's (accumulated), torch's
+    compiled autograd's STATIC -> DYNAMIC ``SizeInput``.
     """
     ok = sizes.dynamic_ok
     if node.variants:
         # duck sizing merged these with slots of the same value that kept it
         changed = node.variants[0].check.changed(sizes.values)
         node.distinct_slots = node.distinct_slots | frozenset(i for i in changed if ok[i])
-    if dynamic:
+    if dynamic or (dynamic is None and other_sizes and not node.variants):
         return frozenset(i for i, d in enumerate(ok) if d)
     if not node.variants:
         return frozenset()
+    if dynamic is None:
+        if node.distinct_slots:  # not only another global state or static sizes
+            node.dynamic_slots = frozenset(i for i, d in enumerate(ok) if d)
+        return node.dynamic_slots
     node.dynamic_slots = node.dynamic_slots | frozenset(i for i in changed if ok[i])
     return node.dynamic_slots
 
@@ -531,7 +544,7 @@ def _capture(
     node: CacheNode,
     compiler_fn: Any,
     compile_graph: Callable[..., Callable[..., Any]],
-    dynamic: bool,
+    dynamic: bool | None,
     reason: Any = None,
     disk: disk_cache.DiskCache | None = None,
 ) -> CompiledEntry:
@@ -545,9 +558,9 @@ def _capture(
     sizes = collected.collector.sizes
     state_change = node.state_change(sizes.values)
     shape_change = bool(node.variants) and not state_change
-    dynamic_slots = _dynamic_slots(node, sizes, dynamic)
     started = time.perf_counter()
-    stored = disk.load(collected, compiler_fn, dynamic) if disk is not None else None
+    stored, other_sizes = disk.load(collected, compiler_fn, dynamic) if disk is not None else (None, False)
+    dynamic_slots = _dynamic_slots(node, sizes, dynamic, other_sizes)
     try:
         traced = stored if stored is not None else trace_with_retries(collected, node, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)

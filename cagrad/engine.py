@@ -35,7 +35,7 @@ class EnableState:
     """One active ``cagrad.enable`` context."""
 
     compiler_fn: CompilerFn
-    dynamic: bool
+    dynamic: bool | None
     compile_graph: Callable[..., Any]
     cache: CacheNode
     cuda_graphs: bool = False  # mode="reduce-overhead" (cagrad.compile.cuda_graphs)
@@ -59,7 +59,7 @@ def _stack() -> list[EnableState]:
     return stack
 
 
-def cache_for(compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False) -> CacheNode:
+def cache_for(compiler_fn: CompilerFn, dynamic: bool | None, cuda_graphs: bool = False) -> CacheNode:
     """The trie root for one compiler (kept until ``cagrad.reset()``)."""
     with _lock:
         key = (compiler_fn, dynamic, cuda_graphs)
@@ -168,7 +168,7 @@ def _tracing() -> bool:
 _engine = CagradEngine(_eager_engine)
 
 
-def push(compiler_fn: CompilerFn, dynamic: bool, cuda_graphs: bool = False, cache_dir: Any = None) -> EnableState:
+def push(compiler_fn: CompilerFn, dynamic: bool | None, cuda_graphs: bool = False, cache_dir: Any = None) -> EnableState:
     """Activates a compiler in this thread; installs the engine on the first
     context of any thread. ``cache_dir``: see :func:`cagrad.compile.disk_cache.resolve_dir`."""
     global _open_contexts

@@ -143,7 +143,7 @@ def explain(
     grad_outputs: Any = None,
     inputs: Any = None,
     compiler_fn: Any = "inductor",
-    dynamic: bool = True,
+    dynamic: bool | None = None,
 ) -> Diagnosis:
     """Whether ``backward``/``grad`` of ``outputs`` would hit cagrad's cache.
 

@@ -26,6 +26,10 @@ over a dimension that grew):
 * ``dynamic=True`` (sizes are symbols from the first capture): a variant
   whose 0/1 pattern an earlier variant had (it differs only in sizes >= 2):
   no capture; a new pattern: at most one;
+* ``dynamic=None`` (``cagrad.enable``'s default: a graph's first capture
+  is static, the first backward at other sizes captures it symbolic): as
+  ``dynamic=True``, and one capture more for the first variant with new
+  shapes but a 0/1 pattern and graph seen before (per pattern and graph);
 * ``dynamic=False`` (static first, then the sizes that changed become
   dynamic): at most one capture for a variant with a new 0/1 pattern or one
   that changes a size (against the first variant) that no earlier variant
@@ -79,6 +83,14 @@ class SizeVariant:
         return self.shapes or (tuple(self.sizes),)
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureRule:
+    """How a subject's captures are checked: ``dynamic`` as given to
+    ``cagrad.enable`` (None, True or False; see the module docstring)."""
+
+    dynamic: bool | None
+
+
 def pattern(shapes: Shapes) -> Shapes:
     """Each size as 0, 1 or 2 (meaning 2 or more), shapes kept apart."""
     return tuple(tuple(min(int(d), 2) for d in shape) for shape in shapes)
@@ -102,7 +114,7 @@ def _flat(shapes: Shapes) -> Sizes:
 
 
 def allowed_captures(
-    sequence: Sequence[Shapes], dynamic: bool, static: bool = False, graphs: Sequence[Hashable] | None = None
+    sequence: Sequence[Shapes], dynamic: bool | None, static: bool = False, graphs: Sequence[Hashable] | None = None
 ) -> list[int]:
     """The most captures each variant may make (see the module docstring);
     ``sequence`` has the shapes of every variant, in run order. ``static``:
@@ -120,6 +132,7 @@ def allowed_captures(
     seen_patterns = {pattern(first)}
     seen_graphs = {graphs[0]}
     dynamic_positions: set[int] = set()
+    generalized: set[Hashable] = set()  # dynamic=None: (pattern, graph) captured symbolic
     allowed = [1]
     for shapes, graph in zip(sequence[1:], graphs[1:]):
         shapes = tuple(shapes)
@@ -130,6 +143,11 @@ def allowed_captures(
         seen_graphs.add(graph)
         if static:
             allowed.append(1)
+        elif dynamic is None:
+            key = (pattern(shapes), graph)
+            allowed.append(1 if new_pattern or key not in generalized else 0)
+            if not new_pattern:
+                generalized.add(key)
         elif dynamic:
             allowed.append(1 if new_pattern else 0)
         else:
@@ -146,7 +164,7 @@ def allowed_captures(
 def check_captures(
     captures: Sequence[int],
     sequence: Sequence[Shapes],
-    dynamic: bool,
+    dynamic: bool | None,
     *,
     static: bool = False,
     dropped: Sequence[int] = (),
@@ -172,7 +190,11 @@ def check_captures(
         total += got
         limit += most * graphs + (dropped[i - 1] if i else 0)
         if total > limit:
-            mode = "weaker rule" if static else ("dynamic sizes" if dynamic else "static sizes")
+            mode = (
+                "weaker rule"
+                if static
+                else {None: "static first, then dynamic", True: "dynamic sizes", False: "static sizes"}[dynamic]
+            )
             per = f" ({graphs} graphs per allowed capture, as at the first sizes)" if graphs > 1 else ""
             return (
                 f"{total} capture(s) by size variant {i}, at most {limit} allowed ({mode}){per}: "
@@ -181,4 +203,4 @@ def check_captures(
     return None
 
 
-__all__ = ["Shapes", "SizeVariant", "Sizes", "allowed_captures", "check_captures", "pattern", "size_classes"]
+__all__ = ["CaptureRule", "Shapes", "SizeVariant", "Sizes", "allowed_captures", "check_captures", "pattern", "size_classes"]

@@ -266,8 +266,9 @@ def merge_variants(
             {"label": variant.label, "sizes": list(variant.sizes), "status": o.status.value, "counts": dict(o.counts)}
         )
     merged.status = min((o.status for o in judged), key=_WORST.index)
-    dynamic = subject.capture_rule()
-    if dynamic is not None:
+    rule = subject.capture_rule()
+    if rule is not None:
+        dynamic = rule.dynamic
         sizes = [v.rule_shapes() for v in variants]
         static = bool(static_sizes)
         for entry, most in zip(merged.variants, allowed_captures(sizes, dynamic, static, graphs)):

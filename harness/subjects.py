@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from harness.capture_rule import CaptureRule
 from harness.program import ProgramRun, run_backward
 
 KNOWN_BACKENDS = ("eager", "aot_eager", "inductor")
@@ -89,8 +90,8 @@ class Subject:
         optionally ``"fallback_reasons"``, a ``{reason: count}`` dict."""
         return {}
 
-    def capture_rule(self) -> bool | None:
-        """The ``dynamic`` flag a size sequence's captures are checked with
+    def capture_rule(self) -> CaptureRule | None:
+        """The rule a size sequence's captures are checked with
         (:mod:`harness.capture_rule`), or None when the subject's captures
         are only reported (eager, torch's compiled autograd)."""
         return None
@@ -164,9 +165,8 @@ class CagradSubject(Subject):
         self._cagrad().reset()
         torch._dynamo.reset()
 
-    def capture_rule(self) -> bool | None:
-        # cagrad.enable's default is dynamic=True
-        return True if self.dynamic is None else self.dynamic
+    def capture_rule(self) -> CaptureRule | None:
+        return CaptureRule(self.dynamic)  # None: cagrad.enable's default
 
     def size_probe(self, run: ProgramRun) -> SizeProbe:
         """Traces the backward with ``cagrad.capture(..., dynamic=True)``

@@ -192,7 +192,7 @@ def _lp(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def disk_key(keys: Sequence[Any], backend: str, dynamic: bool) -> bytes:
+def disk_key(keys: Sequence[Any], backend: str, dynamic: bool | None) -> bytes:
     """The bytes a stored graph is filed under (see the module docstring).
 
     Raises:
@@ -201,7 +201,7 @@ def disk_key(keys: Sequence[Any], backend: str, dynamic: bool) -> bytes:
     parts = [
         _lp(MAGIC),
         _lp(_environment_bytes()),
-        _lp(json.dumps({"backend": backend, "dynamic": bool(dynamic)}, sort_keys=True).encode()),
+        _lp(json.dumps({"backend": backend, "dynamic": None if dynamic is None else bool(dynamic)}, sort_keys=True).encode()),
         _lp(_global_state().encode()),
         struct.pack("<Q", len(keys)),
     ]
@@ -543,26 +543,29 @@ class DiskCache:
     def path_of(self, key: bytes) -> str:
         return os.path.join(self.directory, hashlib.sha256(key).hexdigest() + SUFFIX)
 
-    def load(self, collected: Any, compiler_fn: Any, dynamic: bool) -> Any:
-        """The stored capture of this backward, rebuilt, or None (nothing
-        stored, not storable, or its size check rejects these sizes).
-        Counts ``disk_hits``.
+    def load(self, collected: Any, compiler_fn: Any, dynamic: bool | None) -> tuple[Any, bool]:
+        """``(traced, other_sizes)``: the stored capture of this backward,
+        rebuilt, or None (nothing stored, not storable, or its size check
+        rejects these sizes); ``other_sizes`` is True in the last case (a
+        process ran this graph at other sizes: evidence that they change,
+        which ``dynamic=None`` traces symbolic at once on). Counts
+        ``disk_hits``.
 
         Raises:
             cagrad.CacheFileError: the file for this key cannot be used.
         """
         if collected_reason(collected, compiler_fn) is not None:
-            return None
+            return None, False
         try:
             key = disk_key(collected.keys, compiler_fn, dynamic)
         except Exception:  # noqa: BLE001 - no key, no lookup (the store skips it too)
             log.debug("cagrad: no disk key for this backward", exc_info=True)
-            return None
+            return None, False
         path = self.path_of(key)
         try:
             raw = pathlib.Path(path).read_bytes()
         except FileNotFoundError:
-            return None
+            return None, False
         except OSError as e:
             raise CacheFileError(path, f"it cannot be read ({e})") from e
         data = _parse(path, raw, key)
@@ -573,12 +576,12 @@ class DiskCache:
             raise CacheFileError(path, f"its graph cannot be rebuilt ({type(e).__name__}: {e})") from e
         if traced is None:
             log.debug("cagrad: the stored graph %s does not accept these sizes; tracing", path)
-            return None
+            return None, True
         counters.bump("disk_hits")
         log.debug("cagrad: graph loaded from %s", path)
-        return traced
+        return traced, False
 
-    def record(self, collected: Any, traced: Any, compiler_fn: Any, dynamic: bool) -> Record | None:
+    def record(self, collected: Any, traced: Any, compiler_fn: Any, dynamic: bool | None) -> Record | None:
         """The file a fresh capture would be stored as, checked by rebuilding
         it; None (counted in ``disk_skips``, reason logged) when it may not
         be stored or does not rebuild exactly. Call it before compiling."""

@@ -39,7 +39,7 @@ FIRST_WORKLOADS = ",".join([*FAMILIES["transformer"], *FAMILIES["chain"], "mlp"]
               help="steady: hit-path backward; first: the first backward of a new graph (capture + compile)")
 @click.option("--workloads", default=None, help=f"comma-separated; default steady: {','.join(STEADY)}; "
               f"first: {FIRST_WORKLOADS}")
-@click.option("--subjects", default=None, help=f"comma-separated; default steady: all (the reduce-overhead ones on CUDA only); first: {FIRST_SUBJECTS}")
+@click.option("--subjects", default=None, help=f"comma-separated; default steady: all but the ,dynamic ones (the reduce-overhead ones on CUDA only); first: {FIRST_SUBJECTS}")
 @click.option("--iters", default=30, show_default=True, help="steady: timed backwards per cell")
 @click.option("--warm/--no-warm", default=True, show_default=True,
               help="first: also run each cell again in a second process on the caches the first filled")
@@ -58,7 +58,7 @@ def main(device: str, mode: str, workloads: str | None, subjects: str | None, it
         torch.set_num_threads(threads)
     first = mode == "first"
     wl_names = _split(workloads or (FIRST_WORKLOADS if first else ",".join(STEADY)), WORKLOADS)
-    steady = ",".join(n for n, s in SUBJECTS.items() if device == "cuda" or not s.cuda_only)
+    steady = ",".join(n for n, s in SUBJECTS.items() if s.default and (device == "cuda" or not s.cuda_only))
     sub_names = _split(subjects or (FIRST_SUBJECTS if first else steady), SUBJECTS)
     console = Console(width=200)
     meta = {"device": device, "mode": mode, "torch": torch.__version__, "python": platform.python_version(),

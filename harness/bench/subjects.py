@@ -29,12 +29,16 @@ class Subject:
         is_cagrad: cagrad's counters and overhead apply.
         cuda_only: CUDA graphs (``mode="reduce-overhead"``): left out of the
             default subjects on CPU.
+        default: in the steady-state table's default subjects (the
+            ``dynamic=True`` ones are for first-backward comparisons: at
+            fixed sizes their hits are the default's).
     """
 
     wrap: Callable[[Any], Any]
     context: Callable[[], Any] | None
     is_cagrad: bool = False
     cuda_only: bool = False
+    default: bool = True
 
 
 def _same(model: Any) -> Any:
@@ -48,8 +52,8 @@ def _torch_ca(backend: str, mode: str | None = None) -> Callable[[], Any]:
     return lambda: compiled_autograd._enable(compiler_fn)
 
 
-def _cagrad(backend: str, mode: str | None = None) -> Callable[[], Any]:
-    return lambda: cagrad.enable(backend, mode=mode)
+def _cagrad(backend: str, mode: str | None = None, dynamic: bool | None = None) -> Callable[[], Any]:
+    return lambda: cagrad.enable(backend, mode=mode, dynamic=dynamic)
 
 
 SUBJECTS: dict[str, Subject] = {
@@ -59,6 +63,9 @@ SUBJECTS: dict[str, Subject] = {
     "torch_ca[inductor]": Subject(_same, _torch_ca("inductor")),
     "cagrad[eager]": Subject(_same, _cagrad("eager"), True),
     "cagrad[inductor]": Subject(_same, _cagrad("inductor"), True),
+    # sizes symbolic from the first capture (the default captures static first)
+    "cagrad[eager,dynamic]": Subject(_same, _cagrad("eager", dynamic=True), True, default=False),
+    "cagrad[inductor,dynamic]": Subject(_same, _cagrad("inductor", dynamic=True), True, default=False),
     "torch_ca[inductor,reduce-overhead]": Subject(_same, _torch_ca("inductor", "reduce-overhead"), cuda_only=True),
     "cagrad[inductor,reduce-overhead]": Subject(_same, _cagrad("inductor", "reduce-overhead"), True, True),
 }

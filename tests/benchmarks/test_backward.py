@@ -107,12 +107,15 @@ def _torch_ca_first(backend: str, dynamic: bool):
     return lambda: compiled_autograd._enable(compiler_fn, dynamic=dynamic)
 
 
-# first backward = capture + compile; dynamic (symbolic sizes, both systems'
-# default) against static sizes, for cagrad and torch's compiled autograd
+# first backward = capture + compile: cagrad's default (static first capture),
+# symbolic sizes from the first capture, and static sizes, for cagrad and
+# torch's compiled autograd
 FIRST_SUBJECTS = {
-    "cagrad[eager]": lambda: cagrad.enable("eager", dynamic=True),
+    "cagrad[eager]": lambda: cagrad.enable("eager"),
+    "cagrad[eager,dynamic]": lambda: cagrad.enable("eager", dynamic=True),
     "cagrad[eager,static]": lambda: cagrad.enable("eager", dynamic=False),
-    "cagrad[inductor]": lambda: cagrad.enable("inductor", dynamic=True),
+    "cagrad[inductor]": lambda: cagrad.enable("inductor"),
+    "cagrad[inductor,dynamic]": lambda: cagrad.enable("inductor", dynamic=True),
     "torch_ca[eager]": _torch_ca_first("eager", True),
     "torch_ca[eager,static]": _torch_ca_first("eager", False),
     "torch_ca[inductor]": _torch_ca_first("inductor", True),

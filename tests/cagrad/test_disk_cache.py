@@ -105,11 +105,23 @@ def test_a_second_process_loads_the_graph_instead_of_tracing(tmp_path):
     assert first["equal"]
     assert first["counters"]["disk_stores"] == 1 and first["counters"]["disk_hits"] == 0
     assert len(_files(tmp_path)) == 1
-    # another batch size: the dynamic graph's size check accepts it
+    # the same batch size: the static graph is loaded
+    again = _result(_spawn("aot_eager", tmp_path))
+    assert again["equal"]
+    c = again["counters"]
+    assert c["disk_hits"] == 1 and c["captures"] == 1 and c["disk_stores"] == 0 and c["fallbacks"] == 0
+    # another batch size: the stored static graph rejects it, so the sizes
+    # change across runs: the graph is traced symbolic at once, and replaces it
     second = _result(_spawn("aot_eager", tmp_path, batch=7))
     assert second["equal"]
     c = second["counters"]
+    assert c["disk_hits"] == 0 and c["captures"] == 1 and c["disk_stores"] == 1 and c["fallbacks"] == 0
+    # a third size: the symbolic graph's size check accepts it
+    third = _result(_spawn("aot_eager", tmp_path, batch=9))
+    assert third["equal"]
+    c = third["counters"]
     assert c["disk_hits"] == 1 and c["captures"] == 1 and c["disk_stores"] == 0 and c["fallbacks"] == 0
+    assert len(_files(tmp_path)) == 1
 
 
 def test_concurrent_writers_of_one_key_leave_a_valid_file(tmp_path):
@@ -137,14 +149,24 @@ def test_concurrent_writers_of_one_key_leave_a_valid_file(tmp_path):
 # -- in one process, after a reset (what a new process starts with) ---------------
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_a_loaded_graph_gives_eager_gradients_at_other_sizes(tmp_path, backend):
+@pytest.mark.parametrize(
+    "backend, dynamic, first_sizes",
+    [
+        ("eager", True, (4,)),
+        ("aot_eager", True, (4,)),
+        # the default stores the static graph at 4, then the symbolic one over it
+        ("eager", None, (4, 9)),
+    ],
+)
+def test_a_loaded_graph_gives_eager_gradients_at_other_sizes(tmp_path, backend, dynamic, first_sizes):
     model = _model()
     expected = [_grads(model, n) for n in (4, 9)]
-    _grads(model, 4, backend, cache_dir=tmp_path)
-    assert cagrad.counters["disk_stores"] == 1
+    for n in first_sizes:
+        _grads(model, n, backend, dynamic=dynamic, cache_dir=tmp_path)
+    assert cagrad.counters["disk_stores"] == len(first_sizes)
+    assert len(_files(tmp_path)) == 1
     _new_session()
-    actual = [_grads(model, n, backend, cache_dir=tmp_path) for n in (4, 9)]
+    actual = [_grads(model, n, backend, dynamic=dynamic, cache_dir=tmp_path) for n in (4, 9)]
     assert cagrad.counters["disk_hits"] == 1
     assert cagrad.counters["captures"] == 1 and cagrad.counters["cache_hits"] == 1
     for e, a in zip(expected, actual):

@@ -1,11 +1,13 @@
-"""Dynamic shapes: SizeInput STATIC -> DYNAMIC, and symbolic from the start.
+"""Dynamic shapes: SizeInput STATIC -> DYNAMIC, symbolic from the start, and
+the default's static first capture.
 
 Every step's gradients must equal eager's; the capture counts follow torch's
 compiled autograd's rule (checked against it where it runs the same
 sequence): with ``dynamic=False`` sizes start static and a backward that
 differs only in sizes makes the changed sizes symbols, once; with
 ``dynamic=True`` sizes are symbols from the first capture and the backend
-compiles once.
+compiles once; with the default (``dynamic=None``) the first capture is
+static and the first backward at other sizes captures the symbolic graph.
 """
 
 from __future__ import annotations
@@ -56,7 +58,23 @@ def _counting_eager(gm, example_inputs):
     return gm.forward
 
 
-@pytest.mark.parametrize("dynamic, captures", [(False, 2), (True, 1)])
+def _symbolic(gm: torch.fx.GraphModule) -> bool:
+    """Whether a captured graph's inputs carry symbolic sizes."""
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        if isinstance(v, torch.SymInt) or (
+            isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape)
+        ):
+            return True
+        if isinstance(v, (list, tuple)) and any(
+            isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
+            for x in v
+        ):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("dynamic, captures", [(False, 2), (True, 1), (None, 2)])
 def test_mlp_batch_sequence(dynamic, captures):
     model = _mlp()
     twin = copy.deepcopy(model)
@@ -77,6 +95,14 @@ def test_mlp_batch_sequence(dynamic, captures):
     # the backend compiled each captured graph once, whatever the sizes
     assert len(_COMPILED) - compiled_before == captures
     assert cagrad.counters["backend_compiles"] == captures
+    # True: symbolic from the start; None: static at 64, symbolic from 65
+    want = {True: [True], None: [False, True], False: [False, True]}[dynamic]
+    assert [_symbolic(gm) for gm in _COMPILED[compiled_before:]] == want
+
+
+def test_dynamic_must_be_none_true_or_false():
+    with pytest.raises(ValueError, match="dynamic must be None, True or False, not 'yes'"):
+        cagrad.enable("eager", dynamic="yes")
 
 
 class _SeqModel(nn.Module):
@@ -95,7 +121,7 @@ def _seq_batch(step, length):
     return torch.randint(0, 30, (2, length), generator=g), torch.randn(2, 3, generator=g)
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True, None])
 def test_sequence_model_with_varying_length(dynamic):
     torch.manual_seed(0)
     model = _SeqModel()
@@ -112,7 +138,7 @@ def test_sequence_model_with_varying_length(dynamic):
         for i, (x, y) in enumerate(zip(e, a)):
             torch.testing.assert_close(y, x, msg=lambda m: f"step {step} param {i}: {m}")
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
-    assert cagrad.counters["captures"] == (1 if dynamic else 2)
+    assert cagrad.counters["captures"] == (1 if dynamic else 2)  # None: 5 static, then symbolic
 
 
 @pytest.mark.parametrize(

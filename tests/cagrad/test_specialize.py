@@ -35,12 +35,15 @@ def _grads(lin: nn.Module, x: torch.Tensor, ctx) -> list[torch.Tensor]:
     return [p.grad.clone() for p in lin.parameters()]
 
 
-def _train(backend: str, batches: list[int]) -> None:
+def _train(backend: str, batches: list[int], dynamic: bool | None = True) -> None:
+    """Backwards at each batch size, compared with eager. ``dynamic=True``
+    (here the default): the graph is symbolic from its capture, which is
+    what specializations are for."""
     lin, ref = _model(), _model()
     for n in batches:
         x = torch.randn(n, 8)
         expected = _grads(ref, x, contextlib.nullcontext())
-        got = _grads(lin, x, cagrad.enable(backend))
+        got = _grads(lin, x, cagrad.enable(backend, dynamic=dynamic))
         torch.testing.assert_close(got, expected)
 
 
@@ -53,6 +56,18 @@ def test_each_hot_size_gets_its_own_compile_and_eager_gradients():
     _train("inductor", [4, 4, 7, 7, 4, 7])
     assert cagrad.counters["captures"] == 1
     assert cagrad.counters["specializations"] == 2
+    assert cagrad.counters["fallbacks"] == 0
+
+
+def test_default_dynamic_captures_static_then_symbolic():
+    """``enable``'s default (``dynamic=None``): batch 4 is captured with
+    static sizes, the first backward at 7 captures the symbolic graph, and
+    from then on 4 hits the static graph and 7 the symbolic one."""
+    _train("inductor", [4, 4], dynamic=None)
+    assert cagrad.counters["captures"] == 1
+    _train("inductor", [4, 7, 7, 4, 7], dynamic=None)
+    assert cagrad.counters["captures"] == 2
+    assert cagrad.counters["cache_hits"] == 5
     assert cagrad.counters["fallbacks"] == 0
 
 

@@ -64,10 +64,12 @@ class InterruptOnSecondMul(BrokenMulSubject):
 
 
 class ForgetfulCagrad(harness.CagradSubject):
-    """cagrad[eager] that empties its caches before every backward."""
+    """cagrad[eager,dynamic] that empties its caches before every backward
+    (sizes symbolic from the first capture: the strictest capture rule, so
+    one resize step already breaks it)."""
 
     def __init__(self) -> None:
-        super().__init__("eager")
+        super().__init__("eager", dynamic=True)
         self.name = "forgetful_cagrad[eager]"
 
     def run(self, run: ProgramRun):

@@ -167,17 +167,21 @@ def test_reproducer_replays_the_sequence(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "subject, steps, captures",
     [
-        ("cagrad[eager]", (6, 9), [1, 0, 0]),
+        ("cagrad[eager,dynamic]", (6, 9), [1, 0, 0]),
+        ("cagrad[eager]", (6, 9), [1, 1, 0]),
+        ("cagrad[eager]", (6, 9, 4), [1, 1, 0, 0]),
         ("cagrad[eager,static]", (6, 9), [1, 1, 0]),
         ("cagrad[eager,static]", (6, 9, 6), [1, 1, 0, 0]),
         # the second backward at 6 runs inductor code compiled for 6 (cagrad.compile.specialize)
-        ("cagrad[inductor]", (6, 6, 9), [1, 0, 0, 0]),
+        ("cagrad[inductor,dynamic]", (6, 6, 9), [1, 0, 0, 0]),
+        ("cagrad[inductor]", (6, 6, 9), [1, 1, 0, 0]),
     ],
 )
 def test_mm_sum_sequence_agrees_and_follows_the_rule(subject, steps, captures) -> None:
     # by hand: dynamic sizes are symbols from the first capture, so 4, 6, 9
-    # take one graph; static sizes capture at 4, make the batch dynamic at 6;
-    # sizes seen before capture nothing
+    # take one graph; the default captures 4 static and the symbolic graph
+    # at 6, which 9 hits (4 hits its static graph); static sizes capture at
+    # 4, make the batch dynamic at 6; sizes seen before capture nothing
     verdict = Oracle([subject], devices=["cpu"]).run(mm_sum(*steps))
     assert verdict.ok, verdict.report and verdict.report.summary()
     o = verdict.report.outcomes[0]
@@ -198,7 +202,7 @@ def test_torch_ca_counts_are_reported_next_to_cagrads() -> None:
     verdict = Oracle(["cagrad[eager]", "torch_ca[eager]"], devices=["cpu"]).run(mm_sum(6, 9))
     assert verdict.ok and verdict.report is not None
     assert verdict.report.outcome("torch_ca[eager]").captures_per_variant[0] == 1
-    assert "cagrad[eager]=1,0,0; torch_ca[eager]=" in " ".join(verdict.report.notes)
+    assert "cagrad[eager]=1,1,0; torch_ca[eager]=" in " ".join(verdict.report.notes)
 
 
 # ---------------------------------------------------------------- reduce
