@@ -312,13 +312,17 @@ def compile_graph(
     symbols = lift_free_symbols(flat, examples)
     fake_mode = detect_fake_mode(examples)
     if fake_mode is None or fake_mode.shape_env is None:
-        # a static trace's fakes have no ShapeEnv, and inductor's and
-        # AOTAutograd's caches bypass a compile whose fake mode has none
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-        examples = specialize.static_examples(examples, {}, fake_mode)
+        if any(_symbolic(e) for e in examples):
+            # a segment whose only symbolic inputs are sizes: no fake tensor to take a mode from
+            fake_mode = FakeTensorMode()
+        else:
+            # a static trace's fakes have no ShapeEnv, and inductor's and
+            # AOTAutograd's caches bypass a compile whose fake mode has none
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            examples = specialize.static_examples(examples, {}, fake_mode)
 
     def compile_symbolic() -> tuple[Callable[..., Any], bool]:
         with tracing(TracingContext(fake_mode)):

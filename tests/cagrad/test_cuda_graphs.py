@@ -38,9 +38,10 @@ def _grads(model: nn.Module, x: torch.Tensor, backward) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _eager_and_graphed(device: str, batches, steps_per_batch: int = 1, lr: float = 0.1):
+def _eager_and_graphed(device: str, batches, steps_per_batch: int = 1, lr: float = 0.1, dynamic=None):
     """Trains an MLP and its copy with SGD, the copy's backward under
-    reduce-overhead; yields both gradient lists per step."""
+    reduce-overhead (``dynamic`` as for ``cagrad.enable``); yields both
+    gradient lists per step."""
     ref = _mlp(device)
     twin = copy.deepcopy(ref)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, twin)]
@@ -50,7 +51,7 @@ def _eager_and_graphed(device: str, batches, steps_per_batch: int = 1, lr: float
             expected = _grads(ref, x, lambda loss: loss.backward())
 
             def graphed(loss):
-                with cagrad.enable("eager", mode="reduce-overhead"):
+                with cagrad.enable("eager", mode="reduce-overhead", dynamic=dynamic):
                     loss.backward()
 
             got = _grads(twin, x, graphed)
@@ -168,8 +169,10 @@ def test_replays_match_eager_across_optimizer_steps() -> None:
 
 @cuda
 def test_one_graph_per_batch_size_and_a_bound() -> None:
+    # one symbolic graph for every batch (the default would add a static
+    # graph for batch 4 with a bound of its own)
     batches = [4, 5] * 3 + list(range(6, 6 + cuda_graphs.MAX_GRAPHS + 2)) * 2
-    for expected, got in _eager_and_graphed("cuda", batches):
+    for expected, got in _eager_and_graphed("cuda", batches, dynamic=True):
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e)
     assert cagrad.counters["cudagraph_records"] == cuda_graphs.MAX_GRAPHS

@@ -629,6 +629,34 @@ def test_fuzz_found_divergences_stay_fixed(cagrad_oracle: Oracle, name: str) -> 
     _assert_equal(cagrad_oracle, KNOWN_FIXED[name])
 
 
+def test_a_segment_with_only_symbolic_sizes_compiles() -> None:
+    """A campaign's fallback sample (seed 23): ``retain_grad`` cuts the
+    graph, and a segment whose symbolic inputs are sizes only (an ``expand``
+    of a scalar gradient) has no fake tensor to read a ShapeEnv from; the
+    compile once rebuilt its inputs as static fakes and failed
+    (``compile_failed``: unbound symbols), falling back at every size."""
+    p = Program(
+        leaves=(Leaf("x0", (4, 4, 2, 4), "float64"), Leaf("x1", (4,), "float64")),
+        ops=(Op("v0", "matmul", ("x0", "x1"), {}),),
+        roots=("v0",),
+        loss="separate",
+        mode="grad",
+        inputs=("x0", "x1", "v0"),
+        seed=302060,
+        hooks=(
+            Hook("h1", "tensor", "v0", "scale", 0.5),
+            Hook("h2", "retain_grad", "v0"),
+            Hook("h3", "tensor", "v0", "shift", 0.5),
+        ),
+        resizes=(((2, 3),),),
+    )
+    for subject in ("cagrad[eager,dynamic]", "cagrad[eager]"):
+        verdict = Oracle([subject], devices=["cpu"]).run(p)
+        assert verdict.ok, verdict.report and verdict.report.summary()
+        o = verdict.report.outcomes[0]
+        assert o.status.value == "equal" and o.fallback_reasons == {}, (subject, o.fallback_reasons)
+
+
 def test_retain_grad_twice_is_a_no_op() -> None:
     """A second retain_grad() on a tensor is a no-op in eager; cagrad's hook
     census once raised there (a WeakSet of tensors compares them)."""
