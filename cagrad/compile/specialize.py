@@ -1,7 +1,7 @@
 """Static specializations of a symbolic graph for the sizes it runs at.
 
-With ``enable(dynamic=True)`` (the default) a graph is traced with its sizes
-as symbols, so one capture serves every size. Inductor's code for symbols is
+A symbolic graph (``enable(dynamic=True)``, or the default's second capture,
+at the first other sizes) serves every size with one capture. Inductor's code for symbols is
 much slower than for numbers where index arithmetic cannot be folded: on the
 CPU transformer layer (128 wide, batch 8, sequence 32) one fused kernel of
 the attention input projection's backward took 4.3 ms with symbols and
@@ -21,8 +21,9 @@ run that code (at most :data:`MAX_SPECIALIZATIONS` tuples per graph, the
 capture's included; ``counters["specializations"]`` counts every static
 compile). Graphs cut into segments compile their symbolic code at capture
 and specialize the same way. This is the tiering torch's own compiled
-autograd reaches by compiling static first and dynamic after a change,
-without a second capture.
+autograd reaches by compiling static first and dynamic after a change; the
+default ``dynamic=None`` also captures static first, so the symbolic graph
+is compiled static first for the sizes of the backward that made it.
 
 Why it is safe: the sizes list a compiled graph is called with holds every
 size input and every free symbol of its inputs (:func:`cagrad.compile.direct_compile.

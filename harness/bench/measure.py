@@ -103,6 +103,9 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
             cell.counters = {k: snap[k] for k in ("captures", "cache_hits", "guard_hits", "fallbacks")}
             if snap["fallbacks"]:
                 cell.counters["fallback_reasons"] = snap["fallback_reasons"]
+            for k in ("cudagraph_records", "cudagraph_replays", "cudagraph_skip_reasons"):
+                if snap.get(k):  # reduce-overhead: whether the backward replayed a CUDA graph
+                    cell.counters[k] = snap[k]
     except Exception as e:  # noqa: BLE001 - a failing cell is reported, the rest run
         cell.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     finally:
