@@ -498,9 +498,9 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_size
     static variant keeps serving its own); also at once where the disk cache
     holds this graph for other sizes (``other_sizes``: another process saw
     them change, as Dynamo's profile-guided automatic dynamic remembers
-    across runs). ``dynamic=False``: the slots
-    whose values differ from the first variant's (accumulated), torch's
-    compiled autograd's STATIC -> DYNAMIC ``SizeInput``.
+    across runs). ``dynamic=False``: the slots whose values differ from the
+    first variant's (accumulated), torch's compiled autograd's STATIC ->
+    DYNAMIC ``SizeInput``.
     """
     ok = sizes.dynamic_ok
     if node.variants:

@@ -201,7 +201,7 @@ def disk_key(keys: Sequence[Any], backend: str, dynamic: bool | None) -> bytes:
     parts = [
         _lp(MAGIC),
         _lp(_environment_bytes()),
-        _lp(json.dumps({"backend": backend, "dynamic": None if dynamic is None else bool(dynamic)}, sort_keys=True).encode()),
+        _lp(json.dumps({"backend": backend, "dynamic": dynamic}, sort_keys=True).encode()),
         _lp(_global_state().encode()),
         struct.pack("<Q", len(keys)),
     ]
