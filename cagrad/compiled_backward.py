@@ -507,16 +507,21 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_size
         # duck sizing merged these with slots of the same value that kept it
         changed = node.variants[0].check.changed(sizes.values)
         node.distinct_slots = node.distinct_slots | frozenset(i for i in changed if ok[i])
-    if dynamic or (dynamic is None and other_sizes and not node.variants):
-        return frozenset(i for i, d in enumerate(ok) if d)
+    if dynamic is None:
+        # all of them once a size that may be dynamic has changed (not only
+        # the global state, or sizes that stay static), here or in another process
+        changed_before = bool(node.distinct_slots) if node.variants else other_sizes
+        return _may_be_dynamic(ok) if changed_before else frozenset()
+    if dynamic:
+        return _may_be_dynamic(ok)
     if not node.variants:
         return frozenset()
-    if dynamic is None:
-        if node.distinct_slots:  # not only another global state or static sizes
-            node.dynamic_slots = frozenset(i for i, d in enumerate(ok) if d)
-        return node.dynamic_slots
     node.dynamic_slots = node.dynamic_slots | frozenset(i for i in changed if ok[i])
     return node.dynamic_slots
+
+
+def _may_be_dynamic(ok: Sequence[bool]) -> frozenset[int]:
+    return frozenset(i for i, d in enumerate(ok) if d)
 
 
 def _use_cuda_graphs(entry: CompiledEntry, create_graph: bool, compiler_fn: Any) -> None:

@@ -59,18 +59,15 @@ def _counting_eager(gm, example_inputs):
 
 
 def _symbolic(gm: torch.fx.GraphModule) -> bool:
-    """Whether a captured graph's inputs carry symbolic sizes."""
+    """Whether a captured graph's inputs (placeholders, or the items of a
+    list placeholder) carry symbolic sizes."""
     for n in gm.graph.find_nodes(op="placeholder"):
         v = n.meta.get("val")
-        if isinstance(v, torch.SymInt) or (
-            isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape)
-        ):
-            return True
-        if isinstance(v, (list, tuple)) and any(
-            isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
-            for x in v
-        ):
-            return True
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, torch.SymInt) or (
+                isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape)
+            ):
+                return True
     return False
 
 
