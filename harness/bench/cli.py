@@ -49,9 +49,10 @@ def main(device: str, mode: str, workloads: str | None, subjects: str | None, it
          threads: int | None, json_path: str | None) -> None:
     """Backward timings side by side, one run: steady state (median ms per
     subject and workload, ratio to eager, cagrad's own overhead per node in
-    us, peak CUDA memory in MiB) or first backward (seconds, cagrad's split
-    into trace and backend compile, cold and warm start, and the growth
-    exponent of time against node count per workload family)."""
+    us, peak CUDA memory in MiB, the backward's GPU kernel time in ms) or
+    first backward (seconds, cagrad's split into trace and backend compile,
+    inductor's compile_fx time for every subject, cold and warm start, and
+    the growth exponent of time against node count per workload family)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA device here")
     if threads:
@@ -94,9 +95,14 @@ def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[
             text += f"\n{c['overhead_us_per_node']:.2f} us/node"
         if c.get("peak_mib") is not None:
             text += f"\n{c['peak_mib']:.0f} MiB"
+        if c.get("gpu_ms") is not None:
+            text += f"\nGPU {c['gpu_ms']:.3f} ms"
         return text
 
-    table = _grid(f"steady-state backward, {device}, torch {torch.__version__}", results, wl_names, sub_names,
+    table = _grid(f"steady-state backward, {device}, torch {torch.__version__}: median ms (ratio to eager)"
+                  + ("; cagrad's own overhead per node" if device == "cpu" else
+                     "; cagrad's own overhead per node, peak MiB above the forward's, GPU: the backward's "
+                     "kernel time (the floor with no host overhead)"), results, wl_names, sub_names,
                   lambda c: c, "ms", steady_text)
     console.print(table)
     return results
@@ -157,10 +163,16 @@ def _first(console: Console, device: str, wl_names: list[str], sub_names: list[s
             text += f" ({cold['seconds'] / peer:.2f}x)"
         if cold.get("trace_s") is not None:
             text += f"\n{cold['trace_s']:.2f} + {cold['compile_s']:.2f}"
+        elif cold.get("backend_s") is not None:
+            text += f"\n{cold['seconds'] - cold['backend_s']:.2f} + {cold['backend_s']:.2f}"
+        if peer and cold.get("backend_s") is not None:
+            text += f"\nfloor {cold['backend_s'] / peer:.2f}x"
         return text
 
-    table = _grid(f"first backward (s), {device}, torch {torch.__version__}: cold / warm; "
-                  "cagrad: trace + compile, ratio to torch_ca with the same backend", results, wl_names, sub_names,
+    table = _grid(f"first backward (s), {device}, torch {torch.__version__}: cold / warm (ratio to torch_ca with "
+                  "the same backend); cagrad: trace + backend compile; torch_ca: the rest + inductor's compile_fx; "
+                  "floor: cagrad's compile_fx time / torch_ca's first backward (the lowest ratio a faster capture "
+                  "could reach)", results, wl_names, sub_names,
                   lambda c: c["cold"], "seconds", first_text)
     console.print(table)
     exponents: dict[str, dict[str, float | None]] = {}

@@ -7,7 +7,11 @@ or a training job pays them once), builds the workload, runs its forward,
 and times its first backward. For cagrad the time is split by
 :class:`cagrad.events.CaptureEvent` into trace (the capture) and backend
 compile; the rest (key collection, lookup, the graph's first run) is the
-remainder. A cell's disk caches (inductor's ``TORCHINDUCTOR_CACHE_DIR``,
+remainder. For every subject whose backend is inductor, the time spent
+inside inductor's ``compile_fx`` is measured the same way for cagrad and
+torch_ca (``backend_s``): it is what neither compiled autograd's own speed
+can remove, so ``cagrad's backend_s / torch_ca's seconds`` is the lowest
+ratio to torch_ca a cagrad cell can reach with the same backend. A cell's disk caches (inductor's ``TORCHINDUCTOR_CACHE_DIR``,
 cagrad's cache directory when it has one) are a directory of its own: a
 *cold* cell starts with it empty; a *warm* cell is a second process on the
 directory the cold one filled.
@@ -36,6 +40,8 @@ class FirstCell:
         seconds: wall time of the first backward (s).
         trace_s / compile_s: cagrad only: of that, tracing and the backend
             compile (s), summed over the captures it made.
+        backend_s: seconds inside inductor's ``compile_fx`` (outermost calls
+            only), any subject; None when inductor compiled nothing.
         nodes: autograd nodes in the backward.
         counters: cagrad's captures, fallbacks (with reasons) and
             ``disk_hits`` (captures loaded from its cache directory).
@@ -45,6 +51,7 @@ class FirstCell:
     seconds: float | None = None
     trace_s: float | None = None
     compile_s: float | None = None
+    backend_s: float | None = None
     nodes: int | None = None
     counters: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
@@ -107,6 +114,7 @@ def _child(cell: dict[str, Any]) -> FirstCell:
 
     if cell.get("threads"):
         torch.set_num_threads(cell["threads"])
+    inductor_s = _time_inductor_compiles()
     subject = SUBJECTS[cell["subject"]]
     device = cell["device"]
     warm = torch.nn.Linear(3, 2).to(device)
@@ -118,6 +126,7 @@ def _child(cell: dict[str, Any]) -> FirstCell:
     captures: list[Any] = []
     events.on_capture.append(captures.append)
     cagrad.reset()
+    inductor_s.clear()  # the warm-up's compiles are not the cell's
     loss = workload.step(model)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -126,6 +135,7 @@ def _child(cell: dict[str, Any]) -> FirstCell:
     if device == "cuda":
         torch.cuda.synchronize()
     out.seconds = time.perf_counter() - start
+    out.backend_s = sum(inductor_s) if inductor_s else None
     if subject.is_cagrad:
         out.trace_s = sum(c.trace_s for c in captures)
         out.compile_s = sum(c.compile_s for c in captures)
@@ -134,6 +144,30 @@ def _child(cell: dict[str, Any]) -> FirstCell:
         if snap["fallbacks"]:
             out.counters["fallback_reasons"] = snap["fallback_reasons"]
     return out
+
+
+def _time_inductor_compiles() -> list[float]:
+    """Wraps ``torch._inductor.compile_fx.compile_fx`` (which Dynamo's and
+    cagrad's ``"inductor"`` backend both look up when called) so that each
+    outermost call appends its duration (s) to the returned list."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    real = compile_fx_module.compile_fx
+    spent: list[float] = []
+    depth = [0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if not depth[0]:  # compile_fx calls itself under config patches
+                spent.append(time.perf_counter() - start)
+
+    compile_fx_module.compile_fx = timed
+    return spent
 
 
 def main(argv: list[str]) -> None:

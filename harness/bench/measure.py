@@ -18,6 +18,7 @@ from .subjects import Subject, backward_in
 from .workloads import Workload
 
 WARMUP = 3  # the first backward captures and compiles; the rest are hits
+PROFILED = 5  # CUDA: backwards run under the profiler after the timed ones
 
 
 @dataclasses.dataclass
@@ -32,6 +33,11 @@ class Cell:
             or full collection, the lookup, accumulation and release.
         peak_mib: CUDA only: peak memory allocated during one backward above
             what was allocated before it (MiB).
+        gpu_ms: CUDA only: median over ``PROFILED`` more backwards of the
+            summed device time of the kernels, copies and memsets the
+            backward launched (ms; CUPTI through ``torch.profiler``, kernels
+            inside a replayed CUDA graph included): the GPU's own work, the
+            floor that removing all host overhead (a CUDA graph) could reach.
         counters: cagrad's counters after the run (captures, hits, ...).
         error: what went wrong, if the cell could not be measured.
     """
@@ -40,6 +46,7 @@ class Cell:
     nodes: int | None = None
     overhead_us_per_node: float | None = None
     peak_mib: float | None = None
+    gpu_ms: float | None = None
     counters: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
 
@@ -51,6 +58,20 @@ def _sync(device: str) -> None:
 
 def _node_count(loss: torch.Tensor) -> int:
     return len(GraphTask([loss], [], True).order)
+
+
+def _device_ms(workload: Workload, subject: Subject, model: Any) -> float:
+    """Device time (ms) of what one backward launched: the profiler runs
+    around the backward alone (the forward's work finished before it starts,
+    the backward's before it stops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loss = workload.step(model)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backward_in(subject, loss)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
 def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Cell:
@@ -106,6 +127,9 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
             for k in ("cudagraph_records", "cudagraph_replays", "cudagraph_skip_reasons"):
                 if snap.get(k):  # reduce-overhead: whether the backward replayed a CUDA graph
                     cell.counters[k] = snap[k]
+        if device == "cuda":
+            runtime.call_whole = real_call
+            cell.gpu_ms = statistics.median(_device_ms(workload, subject, model) for _ in range(PROFILED))
     except Exception as e:  # noqa: BLE001 - a failing cell is reported, the rest run
         cell.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     finally:

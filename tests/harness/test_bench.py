@@ -4,9 +4,12 @@ hits with no fallback, the JSON holding what the table shows."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
+import pytest
+import torch
 from click.testing import CliRunner
 
 from harness.bench.cli import main
@@ -65,9 +68,49 @@ def test_first_backward_mode_splits_cagrads_time_and_fits_the_growth(tmp_path):
     assert isinstance(data["growth_exponents"]["chain"]["cagrad[eager]"], float)
 
 
+def test_first_backward_mode_times_inductors_compile_for_both_compiled_autograds(tmp_path):
+    out = tmp_path / "first.json"
+    result = _bench("--mode", "first", "--workloads", "mlp", "--subjects", "torch_ca[inductor],cagrad[inductor]",
+                    "--no-warm", "--json", str(out))
+    cells = json.loads(out.read_text())["cells"]["mlp"]
+    ours, theirs = cells["cagrad[inductor]"]["cold"], cells["torch_ca[inductor]"]["cold"]
+    assert ours["error"] is None and theirs["error"] is None
+    # inductor's compile_fx runs inside each first backward, and inside
+    # cagrad's own backend-compile span
+    assert 0 < theirs["backend_s"] < theirs["seconds"]
+    assert 0 < ours["backend_s"] <= ours["compile_s"] < ours["seconds"]
+    assert theirs["trace_s"] is None
+    assert "floor" in result.stdout
+
+
+def test_first_backward_of_the_eager_backend_has_no_inductor_time(tmp_path):
+    from harness.bench.first import fresh_cache_dir, measure_first
+
+    cache = fresh_cache_dir()
+    try:
+        cell = measure_first("chain50", "cagrad[eager]", "cpu", cache, None)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    assert cell.error is None and cell.backend_s is None and cell.compile_s > 0
+
+
 def test_growth_exponent_of_known_power_laws():
     from harness.bench.first import growth_exponent
 
     assert abs(growth_exponent([(n, 0.003 * n) for n in (50, 100, 200, 400)]) - 1.0) < 1e-9
     assert abs(growth_exponent([(n, 2e-5 * n**2) for n in (50, 100, 400)]) - 2.0) < 1e-9
     assert growth_exponent([(100, 1.0)]) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kernel_time_of_a_host_bound_backward_is_below_its_wall_time():
+    from harness.bench.measure import measure
+    from harness.bench.subjects import SUBJECTS
+    from harness.bench.workloads import WORKLOADS
+
+    for subject in ("eager", "cagrad[eager]"):
+        cell = measure(WORKLOADS["chain200"]("cuda"), SUBJECTS[subject], "cuda", 5)
+        assert cell.error is None
+        # 200 elementwise kernels of 4096 floats: microseconds of GPU work
+        # each, launched one by one from the host
+        assert 0 < cell.gpu_ms < cell.ms
