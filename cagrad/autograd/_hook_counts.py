@@ -101,6 +101,11 @@ using torch::autograd::Node;
 #ifdef CAGRAD_FULL_HEADERS
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+static const at::Tensor& tensor_of(PyObject* obj) {  // obj: a Tensor (checked by type)
+  return THPVariable_Unpack(obj);
+}
 
 template <typename T>
 static std::shared_ptr<T> strong(const std::weak_ptr<T>& p) {
@@ -144,6 +149,15 @@ struct CppFunctionObject {  // THPCppFunction
   c10::intrusive_ptr<Node> cdata;
 };
 
+struct VariableObject {  // THPVariable (its first fields)
+  PyObject_HEAD
+  at::Tensor cdata;
+};
+
+static const at::Tensor& tensor_of(PyObject* obj) {  // obj: a Tensor (checked by type)
+  return reinterpret_cast<VariableObject*>(obj)->cdata;
+}
+
 static PyTypeObject* function_type = nullptr;  // THPFunctionType
 static Py_ssize_t function_cdata = 0;  // offsetof(THPFunction, cdata): its last field
 
@@ -178,6 +192,24 @@ static PyObject* init(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 #endif
+
+static PyTypeObject* tensor_type = nullptr;  // torch.Tensor, from set_tensor_type
+
+static PyObject* set_tensor_type(PyObject*, PyObject* type) {
+  if (!PyType_Check(type)) {
+    PyErr_SetString(PyExc_TypeError, "set_tensor_type(torch.Tensor)");
+    return nullptr;
+  }
+  Py_INCREF(type);
+  tensor_type = reinterpret_cast<PyTypeObject*>(type);
+  Py_RETURN_NONE;
+}
+
+static bool is_tensor_type(PyObject* type) {
+  return tensor_type != nullptr && PyType_Check(type) &&
+         (type == reinterpret_cast<PyObject*>(tensor_type) ||
+          PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), tensor_type));
+}
 
 static bool is_named(const void* type_name, const char* mangled) {
   return std::strcmp(static_cast<const char*>(type_name), mangled) == 0;
@@ -357,8 +389,161 @@ static PyObject* release(PyObject*, PyObject* nodes) {
   Py_RETURN_NONE;
 }
 
+// The key of input `nr`'s InputMetadata as the hit guards compare it: dtype,
+// device type and index, and rank packed in one integer; -1 for metadata a
+// guard does not compare this way (nested, a symbolic size, no such input).
+static long long metadata_key_of(const Node* node, Py_ssize_t nr) {
+  if (nr < 0 || static_cast<size_t>(nr) >= node->num_inputs()) {
+    return -1;
+  }
+  const auto& m = node->input_metadata(static_cast<size_t>(nr));
+  if (m.is_nested_tensor()) {
+    return -1;
+  }
+  const auto shape = m.shape_as_dim_vector();
+  for (const auto& size : shape) {
+    if (!size.maybe_as_int().has_value()) {
+      return -1;
+    }
+  }
+  const auto device = m.device();
+  return static_cast<long long>(static_cast<int>(m.dtype().toScalarType())) |
+         (static_cast<long long>(static_cast<int>(device.type())) << 8) |
+         (static_cast<long long>(device.index() + 1) << 16) |
+         (static_cast<long long>(shape.size()) << 24);
+}
+
+// metadata_key(node, nr) -> int or None (see metadata_key_of).
+static PyObject* metadata_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "metadata_key(node, input_nr)");
+    return nullptr;
+  }
+  Node* node = node_of(args[0]);
+  Py_ssize_t nr = PyLong_AsSsize_t(args[1]);
+  if (node == nullptr || (nr == -1 && PyErr_Occurred())) {
+    return nullptr;
+  }
+  long long key = metadata_key_of(node, nr);
+  if (key < 0) {
+    Py_RETURN_NONE;
+  }
+  return PyLong_FromLongLong(key);
+}
+
+// metadata(node, nr, key, sizes) -> bool: whether input nr's metadata has
+// `key` (from metadata_key); if so its sizes are appended to the list `sizes`.
+static PyObject* metadata(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyList_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "metadata(node, input_nr, key, sizes: list)");
+    return nullptr;
+  }
+  Node* node = node_of(args[0]);
+  Py_ssize_t nr = PyLong_AsSsize_t(args[1]);
+  long long want = PyLong_AsLongLong(args[2]);
+  if (node == nullptr || PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (metadata_key_of(node, nr) != want) {
+    Py_RETURN_FALSE;
+  }
+  for (const auto& size : node->input_metadata(static_cast<size_t>(nr)).shape_as_dim_vector()) {
+    PyObject* v = PyLong_FromLongLong(*size.maybe_as_int());
+    if (v == nullptr || PyList_Append(args[3], v) < 0) {
+      Py_XDECREF(v);
+      return nullptr;
+    }
+    Py_DECREF(v);
+  }
+  Py_RETURN_TRUE;
+}
+
+// The key of a strided tensor's metadata as the hit guards compare it:
+// layout, dtype, device type and index, requires_grad and rank packed in one
+// integer; -1 for a tensor a guard does not compare this way (not strided,
+// nested, symbolic sizes or strides, undefined).
+static long long tensor_key_of(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() ||
+      t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return -1;
+  }
+  const auto device = t.device();
+  return static_cast<long long>(static_cast<int>(t.scalar_type())) |
+         (static_cast<long long>(static_cast<int>(device.type())) << 8) |
+         (static_cast<long long>(device.index() + 1) << 16) |
+         (static_cast<long long>(t.dim()) << 24) |
+         (static_cast<long long>(t.requires_grad()) << 40);
+}
+
+// tensor_key(x, type) -> int or None: tensor_key_of for x of exactly `type`
+// (torch.Tensor or a subclass that keeps its layout, e.g. nn.Parameter).
+static PyObject* tensor_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !is_tensor_type(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "tensor_key(tensor, tensor_type)");
+    return nullptr;
+  }
+  if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(args[1])) {
+    Py_RETURN_NONE;
+  }
+  long long key = tensor_key_of(tensor_of(args[0]));
+  if (key < 0) {
+    Py_RETURN_NONE;
+  }
+  return PyLong_FromLongLong(key);
+}
+
+static int append_int(PyObject* list, int64_t value) {
+  PyObject* v = PyLong_FromLongLong(value);
+  if (v == nullptr) {
+    return -1;
+  }
+  int r = PyList_Append(list, v);
+  Py_DECREF(v);
+  return r;
+}
+
+// tensor(x, type, key, values) -> bool: whether x is exactly of `type` (from
+// tensor_key's call) and has `key`; if so its sizes, strides and storage
+// offset are appended to the list `values`.
+static PyObject* tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyList_Check(args[3]) || !is_tensor_type(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "tensor(x, tensor_type, key, values: list)");
+    return nullptr;
+  }
+  long long want = PyLong_AsLongLong(args[2]);
+  if (want == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(args[1])) {
+    Py_RETURN_FALSE;
+  }
+  const at::Tensor& t = tensor_of(args[0]);
+  if (tensor_key_of(t) != want) {
+    Py_RETURN_FALSE;
+  }
+  for (int64_t v : t.sizes()) {
+    if (append_int(args[3], v) < 0) {
+      return nullptr;
+    }
+  }
+  for (int64_t v : t.strides()) {
+    if (append_int(args[3], v) < 0) {
+      return nullptr;
+    }
+  }
+  if (append_int(args[3], t.storage_offset()) < 0) {
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_tensor_type", set_tensor_type, METH_O, nullptr},
+    {"tensor_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor_key)), METH_FASTCALL, nullptr},
+    {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor)), METH_FASTCALL, nullptr},
     {"init", init, METH_VARARGS, nullptr},
+    {"metadata_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(metadata_key)), METH_FASTCALL, nullptr},
+    {"metadata", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(metadata)), METH_FASTCALL, nullptr},
     {"counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(counts)), METH_FASTCALL, nullptr},
     {"release", release, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr}};
@@ -388,6 +573,13 @@ def _layout_ok() -> str | None:
         return f"cannot read torch's headers: {e}"
     if "struct THPCppFunction {\n  PyObject_HEAD\n  c10::intrusive_ptr<Node> cdata;\n};" not in cpp:
         return "THPCppFunction is not {PyObject_HEAD; intrusive_ptr<Node> cdata}"
+    try:
+        with open(os.path.join(base, "python_variable.h")) as f:
+            var = f.read()
+    except OSError as e:
+        return f"cannot read torch's headers: {e}"
+    if "struct THPVariable {\n  PyObject_HEAD\n  // Payload\n  at::Tensor cdata;" not in var:
+        return "THPVariable does not begin {PyObject_HEAD; at::Tensor cdata}"
     struct = py[py.find("struct THPFunction {") :]
     struct = struct[: struct.find("\n};")]
     if not struct.rstrip().endswith("c10::intrusive_ptr<torch::autograd::Node> cdata;"):
@@ -479,6 +671,7 @@ def build(name: str, source: str, defines: tuple[str, ...] = ()) -> Any:
 _lock = threading.Lock()
 _counts: Any = None  # the C++ counts function once built; False: unavailable
 _release: Any = None  # the C++ release function once built; None: unavailable
+_metadata: Any = None  # (metadata_key, metadata, tensor_key, tensor) once built and self-tested; None: unavailable
 _enabled = True
 
 
@@ -514,6 +707,31 @@ def release_fn() -> Any:
     return _release
 
 
+def metadata_fns() -> tuple[Any, Any, Any, Any] | None:
+    """The C++ readers of a node's ``InputMetadata`` for the hit guards
+    (:mod:`cagrad.keys.hit_path`), built on first call like
+    :func:`release_fn`; None if unavailable.
+
+    ``metadata_key(node, input_nr) -> int | None`` packs what a guard compares
+    of input ``input_nr``'s metadata (dtype, device, rank) into one integer;
+    None for metadata it does not compare this way (nested, a symbolic size,
+    no such input). ``metadata(node, input_nr, key, sizes) -> bool``: whether
+    the metadata has ``key`` now; if so its sizes are appended to the list
+    ``sizes``. About 60 ns a call where the Python attributes of
+    ``node._input_metadata`` cost about 600 ns. ``tensor_key(x, type) -> int |
+    None`` packs a strided tensor's layout, dtype, device, requires_grad and
+    rank (None: ``x`` is not exactly of ``type``, not strided, nested, or
+    symbolic); ``tensor(x, type, key, values) -> bool``: whether ``x`` is of
+    ``type`` with ``key`` now; if so its sizes, strides and storage offset
+    are appended to ``values``.
+
+    Raises (the returned functions):
+        TypeError: ``node`` is not an autograd node, or another argument type.
+    """
+    release_fn()
+    return _metadata
+
+
 def _load(full_headers: bool | None = None) -> Any:
     if full_headers is None:
         why = _layout_ok()
@@ -523,6 +741,7 @@ def _load(full_headers: bool | None = None) -> Any:
     try:
         module = build(_NAME, _SOURCE, ("-DCAGRAD_FULL_HEADERS",) if full_headers else ())
         module.init(torch._C._FunctionBase, torch._C._FunctionBase.__basicsize__ - 8)
+        module.set_tensor_type(torch.Tensor)
         _self_test(module.counts)
         _self_test_release(module.release)
     except Exception as e:  # noqa: BLE001  (no compiler, a compile or load error)
@@ -534,8 +753,14 @@ def _load(full_headers: bool | None = None) -> Any:
             detail,
         )
         return False
-    global _release
+    global _release, _metadata
     _release = module.release
+    try:
+        _self_test_metadata(module.metadata_key, module.metadata)
+        _self_test_tensor(module.tensor_key, module.tensor)
+        _metadata = (module.metadata_key, module.metadata, module.tensor_key, module.tensor)
+    except Exception as e:  # noqa: BLE001  (guards read the metadata in Python then)
+        log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", e)
     return module.counts
 
 
@@ -559,6 +784,44 @@ def _self_test_release(release: Any) -> None:
     except RuntimeError:
         return
     raise RuntimeError("release() left ExpBackward0's saved result in place")
+
+
+def _self_test_metadata(metadata_key: Any, metadata: Any) -> None:
+    """The C++ reader sees the same InputMetadata as ``node._input_metadata``."""
+    with torch.inference_mode(False), torch.enable_grad():
+        a = torch.ones(3, 4, requires_grad=True)
+        b = torch.ones(5, dtype=torch.float64, requires_grad=True)
+        node = torch.cat([a.flatten(), b.float()]).grad_fn  # CatBackward0: inputs a's view and b's cast
+    for x in (a, b):
+        y = (x * 2).grad_fn
+        key = metadata_key(y, 0)
+        sizes: list = []
+        if key is None or not metadata(y, 0, key, sizes) or sizes != list(x.shape):
+            raise RuntimeError(f"metadata of a {tuple(x.shape)} {x.dtype} input read as {key}, {sizes}")
+        other = metadata_key((x.float() if x.dtype == torch.float64 else x.double()).mul(2).grad_fn, 0)
+        if other == key or metadata(y, 0, other, sizes) or metadata_key(y, 1) is not None:
+            raise RuntimeError("metadata of another dtype or a missing input reads as the same key")
+    if metadata_key(node, 0) is None or metadata_key(node, 1) is not None:
+        raise RuntimeError("CatBackward0 has one input")
+
+
+def _self_test_tensor(tensor_key: Any, tensor: Any) -> None:
+    """The C++ reader sees a tensor's metadata as its Python attributes do."""
+    base = torch.zeros(4, 6, dtype=torch.float64)
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    for x in (base, base[1:, ::2].t(), param, torch.ones(()), param.detach()):
+        key = tensor_key(x, type(x))
+        values: list = []
+        if key is None or not tensor(x, type(x), key, values):
+            raise RuntimeError(f"tensor {tuple(x.shape)} {type(x).__name__} not read")
+        if values != [*x.shape, *x.stride(), x.storage_offset()]:
+            raise RuntimeError(f"tensor {tuple(x.shape)} read as {values}")
+        others = (x.float() if x.dtype == torch.float64 else x.double(), x.detach().requires_grad_(not x.requires_grad))
+        for other in others:
+            if tensor_key(other, type(x)) in (key,) or tensor(other, type(x), key, values):
+                raise RuntimeError(f"another dtype or requires_grad reads as {key}")
+    if tensor_key(torch.ones(2).to_sparse(), torch.Tensor) is not None or tensor_key(param, torch.Tensor) is not None:
+        raise RuntimeError("a sparse tensor or another type has a key")
 
 
 def _self_test(counts: Any) -> None:

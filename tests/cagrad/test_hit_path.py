@@ -266,3 +266,43 @@ def test_graphs_that_cannot_be_guarded_still_hit_in_full():
             (g,) = torch.autograd.grad(x.sin().sum(), [x])
         assert torch.equal(g, x.detach().cos())
     assert _counts() == (1, 2, 0)
+
+
+def test_the_cpp_readers_agree_with_torchs_input_metadata_and_saved_tensors():
+    from cagrad.autograd import _hook_counts
+    from cagrad.autograd.graph_task import GraphTask
+
+    fns = _hook_counts.metadata_fns()
+    if fns is None:
+        pytest.skip("the C++ extension cannot be built here (no compiler)")
+    metadata_key, metadata, tensor_key, tensor = fns
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    loss = layer.double()(x).sum() + x.float().square().sum()
+    seen: dict = {}
+    for call in GraphTask([loss], [], True).order:
+        node = call.node
+        if node is None:
+            continue
+        for nr, m in enumerate(node._input_metadata):
+            key = metadata_key(node, nr)
+            sizes: list = []
+            assert key is not None and metadata(node, nr, key, sizes)
+            assert sizes == list(m.shape)
+            # one key per (dtype, device, rank), as torch reports them
+            assert seen.setdefault(key, (m.dtype, m.device, len(m.shape))) == (m.dtype, m.device, len(m.shape))
+            assert not metadata(node, nr, key ^ 1, sizes) and sizes == list(m.shape)
+        assert metadata_key(node, len(node._input_metadata)) is None
+        for attr in dir(node):
+            x = getattr(node, attr) if attr.startswith("_saved_") else None
+            if isinstance(x, torch.Tensor):  # a saved tensor, read as the Python attributes read it
+                key = tensor_key(x, type(x))
+                values: list = []
+                assert key is not None and tensor(x, type(x), key, values)
+                assert values == [*x.shape, *x.stride(), x.storage_offset()]
+                keys = seen.setdefault("tensors", {})
+                meta = (x.dtype, x.device, x.dim(), x.requires_grad)
+                assert keys.setdefault(key, meta) == meta
+    tensors = seen.pop("tensors")
+    assert len({dtype for dtype, _, _ in seen.values()}) == 2 and len({rank for _, _, rank in seen.values()}) >= 3
+    assert len({meta[0] for meta in tensors.values()}) == 2 and len({meta[3] for meta in tensors.values()}) == 2
