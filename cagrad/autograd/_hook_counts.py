@@ -62,6 +62,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -565,19 +566,14 @@ def _layout_ok() -> str | None:
     else what differs."""
     base = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "autograd")
     try:
-        with open(os.path.join(base, "python_cpp_function.h")) as f:
-            cpp = f.read()
-        with open(os.path.join(base, "python_function.h")) as f:
-            py = f.read()
+        cpp, py, var = (
+            pathlib.Path(base, name).read_text()
+            for name in ("python_cpp_function.h", "python_function.h", "python_variable.h")
+        )
     except OSError as e:
         return f"cannot read torch's headers: {e}"
     if "struct THPCppFunction {\n  PyObject_HEAD\n  c10::intrusive_ptr<Node> cdata;\n};" not in cpp:
         return "THPCppFunction is not {PyObject_HEAD; intrusive_ptr<Node> cdata}"
-    try:
-        with open(os.path.join(base, "python_variable.h")) as f:
-            var = f.read()
-    except OSError as e:
-        return f"cannot read torch's headers: {e}"
     if "struct THPVariable {\n  PyObject_HEAD\n  // Payload\n  at::Tensor cdata;" not in var:
         return "THPVariable does not begin {PyObject_HEAD; at::Tensor cdata}"
     struct = py[py.find("struct THPFunction {") :]
