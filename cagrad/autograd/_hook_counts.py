@@ -69,7 +69,8 @@ import sys
 import sysconfig
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -390,6 +391,25 @@ static PyObject* release(PyObject*, PyObject* nodes) {
   Py_RETURN_NONE;
 }
 
+static int append_int(PyObject* list, int64_t value) {
+  PyObject* v = PyLong_FromLongLong(value);
+  if (v == nullptr) {
+    return -1;
+  }
+  int r = PyList_Append(list, v);
+  Py_DECREF(v);
+  return r;
+}
+
+// dtype, device type and index, and rank in one integer (the hit guards'
+// constants); bits 40 and up are free for more
+static long long pack_key(c10::ScalarType dtype, c10::Device device, size_t rank) {
+  return static_cast<long long>(static_cast<int>(dtype)) |
+         (static_cast<long long>(static_cast<int>(device.type())) << 8) |
+         (static_cast<long long>(device.index() + 1) << 16) |
+         (static_cast<long long>(rank) << 24);
+}
+
 // The key of input `nr`'s InputMetadata as the hit guards compare it: dtype,
 // device type and index, and rank packed in one integer; -1 for metadata a
 // guard does not compare this way (nested, a symbolic size, no such input).
@@ -407,11 +427,7 @@ static long long metadata_key_of(const Node* node, Py_ssize_t nr) {
       return -1;
     }
   }
-  const auto device = m.device();
-  return static_cast<long long>(static_cast<int>(m.dtype().toScalarType())) |
-         (static_cast<long long>(static_cast<int>(device.type())) << 8) |
-         (static_cast<long long>(device.index() + 1) << 16) |
-         (static_cast<long long>(shape.size()) << 24);
+  return pack_key(m.dtype().toScalarType(), m.device(), shape.size());
 }
 
 // metadata_key(node, nr) -> int or None (see metadata_key_of).
@@ -449,12 +465,9 @@ static PyObject* metadata(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_FALSE;
   }
   for (const auto& size : node->input_metadata(static_cast<size_t>(nr)).shape_as_dim_vector()) {
-    PyObject* v = PyLong_FromLongLong(*size.maybe_as_int());
-    if (v == nullptr || PyList_Append(args[3], v) < 0) {
-      Py_XDECREF(v);
+    if (append_int(args[3], *size.maybe_as_int()) < 0) {
       return nullptr;
     }
-    Py_DECREF(v);
   }
   Py_RETURN_TRUE;
 }
@@ -468,12 +481,7 @@ static long long tensor_key_of(const at::Tensor& t) {
       t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
     return -1;
   }
-  const auto device = t.device();
-  return static_cast<long long>(static_cast<int>(t.scalar_type())) |
-         (static_cast<long long>(static_cast<int>(device.type())) << 8) |
-         (static_cast<long long>(device.index() + 1) << 16) |
-         (static_cast<long long>(t.dim()) << 24) |
-         (static_cast<long long>(t.requires_grad()) << 40);
+  return pack_key(t.scalar_type(), t.device(), t.dim()) | (static_cast<long long>(t.requires_grad()) << 40);
 }
 
 // tensor_key(x, type) -> int or None: tensor_key_of for x of exactly `type`
@@ -491,16 +499,6 @@ static PyObject* tensor_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
   }
   return PyLong_FromLongLong(key);
-}
-
-static int append_int(PyObject* list, int64_t value) {
-  PyObject* v = PyLong_FromLongLong(value);
-  if (v == nullptr) {
-    return -1;
-  }
-  int r = PyList_Append(list, v);
-  Py_DECREF(v);
-  return r;
 }
 
 // tensor(x, type, key, values) -> bool: whether x is exactly of `type` (from
@@ -664,10 +662,19 @@ def build(name: str, source: str, defines: tuple[str, ...] = ()) -> Any:
     return module
 
 
+class MetadataReaders(NamedTuple):
+    """The extension's readers for the hit guards (see :func:`metadata_fns`)."""
+
+    metadata_key: Callable[[Any, int], int | None]
+    metadata: Callable[[Any, int, int, list], bool]
+    tensor_key: Callable[[torch.Tensor, type], int | None]
+    tensor: Callable[[torch.Tensor, type, int, list], bool]
+
+
 _lock = threading.Lock()
 _counts: Any = None  # the C++ counts function once built; False: unavailable
 _release: Any = None  # the C++ release function once built; None: unavailable
-_metadata: Any = None  # (metadata_key, metadata, tensor_key, tensor) once built and self-tested; None: unavailable
+_metadata: MetadataReaders | None = None  # once built and self-tested; None: unavailable
 _enabled = True
 
 
@@ -703,7 +710,7 @@ def release_fn() -> Any:
     return _release
 
 
-def metadata_fns() -> tuple[Any, Any, Any, Any] | None:
+def metadata_fns() -> MetadataReaders | None:
     """The C++ readers of a node's ``InputMetadata`` for the hit guards
     (:mod:`cagrad.keys.hit_path`), built on first call like
     :func:`release_fn`; None if unavailable.
@@ -754,7 +761,7 @@ def _load(full_headers: bool | None = None) -> Any:
     try:
         _self_test_metadata(module.metadata_key, module.metadata)
         _self_test_tensor(module.tensor_key, module.tensor)
-        _metadata = (module.metadata_key, module.metadata, module.tensor_key, module.tensor)
+        _metadata = MetadataReaders(module.metadata_key, module.metadata, module.tensor_key, module.tensor)
     except Exception as e:  # noqa: BLE001  (guards read the metadata in Python then)
         log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", e)
     return module.counts
@@ -814,7 +821,7 @@ def _self_test_tensor(tensor_key: Any, tensor: Any) -> None:
             raise RuntimeError(f"tensor {tuple(x.shape)} read as {values}")
         others = (x.float() if x.dtype == torch.float64 else x.double(), x.detach().requires_grad_(not x.requires_grad))
         for other in others:
-            if tensor_key(other, type(x)) in (key,) or tensor(other, type(x), key, values):
+            if tensor_key(other, type(x)) == key or tensor(other, type(x), key, values):
                 raise RuntimeError(f"another dtype or requires_grad reads as {key}")
     if tensor_key(torch.ones(2).to_sparse(), torch.Tensor) is not None or tensor_key(param, torch.Tensor) is not None:
         raise RuntimeError("a sparse tensor or another type has a key")

@@ -11,7 +11,8 @@ remainder. For every subject whose backend is inductor, the time spent
 inside inductor's ``compile_fx`` is measured the same way for cagrad and
 torch_ca (``backend_s``): it is what neither compiled autograd's own speed
 can remove, so ``cagrad's backend_s / torch_ca's seconds`` is the lowest
-ratio to torch_ca a cagrad cell can reach with the same backend. A cell's disk caches (inductor's ``TORCHINDUCTOR_CACHE_DIR``,
+ratio to torch_ca a cagrad cell can reach with the same backend. A cell's
+disk caches (inductor's ``TORCHINDUCTOR_CACHE_DIR``,
 cagrad's cache directory when it has one) are a directory of its own: a
 *cold* cell starts with it empty; a *warm* cell is a second process on the
 directory the cold one filled.
