@@ -19,7 +19,7 @@ only the stages before it (and the leaf modules ``errors`` and ``counters``):
 ``autograd.custom_function``    custom autograd.Function backward as PyNode runs it
 ``autograd.run_context``        the running backward as torch's engine describes it
 ``autograd.formulas``           Python formulas for nodes that keep sizes as ints
-``autograd._hook_counts``       C++ reader of node hook lists (and release)
+``autograd._hook_counts``       hooks the census cannot see, from C++ hook lists
 ``hooks/``
 ``hooks.hooks_census``          finding every hook a backward would run
 ``hooks.cpp_hooks``             hooks added from C++ (DDP's reducer) and their calls
@@ -42,6 +42,9 @@ only the stages before it (and the leaf modules ``errors`` and ``counters``):
 ``compile.cuda_graphs``         CUDA-graph replay (``mode="reduce-overhead"``)
 ``compile.disk_cache``          captured graphs stored on disk (warm start)
 ``compile.graph_serde``         captured graphs and size expressions as plain data
+``native/`` (C++ extension)
+``native.build``                compiling cagrad_ext.cpp against torch's headers
+``native.self_tests``           each C++ function against the Python it replaces
 ``run/`` (run)
 ``run.runtime``                 the runtime wrapper around a compiled graph
 ``run.interpreter``             the walk on real tensors (finishing deopted runs)

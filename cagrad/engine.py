@@ -114,30 +114,34 @@ class CagradEngine:
             # backward)
             return call.run_eager(self._eager)
         ctx = run_context.RunContext(create_graph=bool(create_graph), keep_graph=bool(keep_graph))
-        with _lock, run_context.running(ctx):
-            _tls.busy = True
-            # the walk allocates many short-lived objects; a cyclic collection
-            # in the middle of it would scan every live graph for nothing
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
+        with _lock:
+            prior = run_context.enter(ctx)
             try:
-                result = compiled_backward.run(
-                    call,
-                    state.cache,
-                    state.compiler_fn,
-                    state.compile_graph,
-                    self._eager,
-                    state.dynamic,
-                    cuda_graphs=state.cuda_graphs,
-                    disk=state.disk,
-                )
+                _tls.busy = True
+                # the walk allocates many short-lived objects; a cyclic collection
+                # in the middle of it would scan every live graph for nothing
+                gc_was_enabled = gc.isenabled()
+                gc.disable()
+                try:
+                    result = compiled_backward.run(
+                        call,
+                        state.cache,
+                        state.compiler_fn,
+                        state.compile_graph,
+                        self._eager,
+                        state.dynamic,
+                        cuda_graphs=state.cuda_graphs,
+                        disk=state.disk,
+                    )
+                finally:
+                    _tls.busy = False
+                    if gc_was_enabled:
+                        gc.enable()
+                # eager runs the final callbacks after the whole backward, still
+                # inside it (a callback may queue more, or ask for the task id)
+                ctx.drain()
             finally:
-                _tls.busy = False
-                if gc_was_enabled:
-                    gc.enable()
-            # eager runs the final callbacks after the whole backward, still
-            # inside it (a callback may queue more, or ask for the task id)
-            ctx.drain()
+                run_context.leave(prior)
         return result
 
     def queue_callback(self, callback: Callable[[], Any]) -> None:

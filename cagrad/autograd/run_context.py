@@ -95,12 +95,33 @@ class RunContext:
         self.callbacks.clear()
 
 
-def grad_mode() -> torch.set_grad_enabled:
+class _GradMode:
+    """``torch.set_grad_enabled(want)`` as a context manager that switches
+    only where the mode differs (about 150 ns where torch's costs 550 ns:
+    it runs twice on every cache hit)."""
+
+    __slots__ = ("want", "prior")
+
+    def __init__(self, want: bool) -> None:
+        self.want = want
+        self.prior = want
+
+    def __enter__(self) -> None:
+        self.prior = torch.is_grad_enabled()
+        if self.prior != self.want:
+            torch._C._set_grad_enabled(self.want)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.prior != self.want:
+            torch._C._set_grad_enabled(self.prior)
+
+
+def grad_mode() -> _GradMode:
     """The grad mode the engine runs nodes in: on for ``create_graph=True``
     (the backward's own computation is recorded, for double backward), off
-    otherwise. A context manager."""
+    otherwise. A context manager (restores the mode it found on exit)."""
     ctx = getattr(_tls, "ctx", None)
-    return torch.set_grad_enabled(ctx is not None and ctx.create_graph)
+    return _GradMode(ctx is not None and ctx.create_graph)
 
 
 def create_graph() -> bool:
@@ -121,12 +142,25 @@ def current() -> RunContext | None:
 @contextlib.contextmanager
 def running(ctx: RunContext) -> Iterator[RunContext]:
     """Makes ``ctx`` this thread's current backward for the block."""
-    prior = getattr(_tls, "ctx", None)
-    _tls.ctx = ctx
+    prior = enter(ctx)
     try:
         yield ctx
     finally:
-        _tls.ctx = prior
+        leave(prior)
+
+
+def enter(ctx: RunContext) -> RunContext | None:
+    """Makes ``ctx`` this thread's current backward; returns the one it
+    replaces, for :func:`leave` (what :func:`running` does, without a
+    generator's cost: the engine calls it on every backward)."""
+    prior = getattr(_tls, "ctx", None)
+    _tls.ctx = ctx
+    return prior
+
+
+def leave(prior: RunContext | None) -> None:
+    """Restores the current backward :func:`enter` replaced."""
+    _tls.ctx = prior
 
 
 @contextlib.contextmanager

@@ -15,11 +15,12 @@ compares only what the key bytes depend on:
 * each traced node's non-tensor attributes (compared by type and value,
   floats by their binary64 bytes as the key writes them), each saved
   tensor's metadata (type, layout, dtype, device, requires_grad, rank) and
-  each edge target's input metadata (read in C++ by the extension of
-  :mod:`cagrad.autograd._hook_counts` where it is built: dtype, device and
-  rank packed in one integer constant, the sizes appended to the size
-  values; else through ``node._input_metadata``, about 10x slower; the
-  tensors' metadata likewise, for plain tensors and parameters);
+  each edge target's input metadata (read in C++ by :mod:`cagrad.native`
+  where it is built: dtype, device and rank packed in one integer constant,
+  the sizes appended to the size values; else through
+  ``node._input_metadata``, about 10x slower; the tensors' metadata
+  likewise, for plain tensors and parameters; int and int-tuple attributes
+  and the order of sequence numbers are also one C++ call each);
 * the leaves (still leaves, their metadata) and the absence of hooks: the
   census must report no hook anywhere (no live node hook dict, tensor hook,
   hook added from C++, foreign saved-tensor hooks), each leaf has no hook
@@ -54,7 +55,8 @@ from typing import Any
 
 import torch
 
-from ..autograd import _hook_counts, saved_variables
+from .. import native
+from ..autograd import saved_variables
 from ..autograd.walk import Kind
 from .cache_key import KeyWriter
 from .compiled_node_args import _int64
@@ -220,10 +222,13 @@ class _Generator:
         }
         # the C++ readers of input and tensor metadata (about 10x cheaper
         # than the Python attributes), or None
-        self.readers = _hook_counts.metadata_fns()
+        self.readers = native.metadata_fns()
         if self.readers is not None:
             self.consts["_md"] = self.readers.metadata
             self.consts["_tm"] = self.readers.tensor
+            self.consts["_ints"] = self.readers.ints
+            self.consts["_int"] = self.readers.int_
+            self.consts["_order"] = self.readers.order
         self.var: dict[int, str] = {}  # discovery id -> local name
         self.md_loaded: set[int] = set()
         self.release_slots: list[tuple[int, str, int]] = []
@@ -333,6 +338,10 @@ class _Generator:
         less = [a < b for a, b in zip(ordered, ordered[1:])]
         equal = [a == b for a, b in zip(ordered, ordered[1:])]
         nodes = ", ".join(self.var[real[i].id] for i in perm)
+        if self.readers is not None:  # one C++ call: the same comparisons
+            relation = b"".join(b"=" if e else b"<" for e in equal)
+            self.fail_if(f"not _order(({nodes},), {relation!r})")
+            return
         self.emit(f"s = [x._sequence_nr() for x in ({nodes},)]")
         self.emit("r = s[1:]")
         self.fail_if(f"list(map(_lt, s, r)) != {self.const(less)}")
@@ -439,8 +448,13 @@ class _Generator:
         if v is None:
             self.fail_if("a is not None")
         elif isinstance(v, (tuple, list)):
+            if self.readers is not None and all(type(x) is int for x in v):
+                self.fail_if(f"not _ints(a, {len(v)}, V)")  # one C++ call: checked and appended
+                return
             self.fail_if(f"not isinstance(a, (tuple, list)) or len(a) != {len(v)}")
             self.emit("V += map(_int64, a)")
+        elif self.readers is not None and type(v) is int:
+            self.fail_if("not _int(a, V)")
         else:
             self.fail_if("a is None or isinstance(a, (tuple, list))")
             self.emit("V.append(_int64(a))")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..autograd import run_context, saved_variables
-from ..autograd.accumulate import accumulate_all
+from ..autograd.accumulate import accumulate_all, stealable_outputs
 from ..autograd.walk import Kind
 from ..capture import segments
 from ..capture.compiler import NON_STRIDED, runtime_objects
@@ -81,16 +81,7 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
         never = [False] * len(outs)
         accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), never)
         return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
-    stealable = [not a for a in traced.aliases_input]
-    seen: set[int] = set()
-    for i, out in enumerate(outs):
-        # a backend may hand back one buffer for two outputs (e.g. after CSE);
-        # only one of them may become a .grad without a copy
-        ptr = out.untyped_storage().data_ptr()
-        if ptr:
-            if ptr in seen:
-                stealable[i] = False
-            seen.add(ptr)
+    stealable = stealable_outputs(outs, traced.aliases_input)
     accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 

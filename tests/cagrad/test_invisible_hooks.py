@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import cagrad
+from cagrad import native
 from cagrad.autograd import _hook_counts
+from cagrad.native import build as native_build
 from cagrad.hooks import hooks_census
 
 from .conftest import run_both_traced, same, same_trace
@@ -38,7 +40,7 @@ using torch::autograd::FunctionPreHook;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-struct CppFunctionObject {  // THPCppFunction (see cagrad/autograd/_hook_counts.py)
+struct CppFunctionObject {  // THPCppFunction (see cagrad/native/build.py)
   PyObject_HEAD
   c10::intrusive_ptr<Node> cdata;
 };
@@ -152,9 +154,9 @@ def ext():
         if shutil.which(os.environ.get("CXX", "c++")) is not None:
             pytest.fail("a C++ compiler is installed but cagrad_hook_counts did not build (see the cagrad warning)")
         pytest.skip("no C++ compiler: cagrad_hook_counts cannot be built")
-    if _hook_counts._layout_ok() is not None:
+    if native_build.layout_ok() is not None:
         pytest.skip("the test extension mirrors torch 2.13's autograd node objects")
-    module = _hook_counts.build("cagrad_test_cpp_hooks", _TEST_SOURCE)
+    module = native_build.build("cagrad_test_cpp_hooks", _TEST_SOURCE)
     module.init(torch._C._FunctionBase, torch._C._FunctionBase.__basicsize__ - 8)
     return module
 
@@ -336,7 +338,7 @@ def test_python_node_hook_the_census_missed_falls_back(monkeypatch):
 
 def test_detection_off_without_compiler(monkeypatch, caplog):
     """No compiler: one warning, and backwards compile as before."""
-    monkeypatch.setattr(_hook_counts, "_counts", None)
+    monkeypatch.setattr(native, "_native", None)
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with caplog.at_level(logging.WARNING, logger="cagrad"):
         for _ in range(2):

@@ -10,7 +10,7 @@ import pathlib
 import cagrad
 
 ROOT = pathlib.Path(cagrad.__file__).parent
-STAGES = ["autograd", "hooks", "keys", "capture", "compile", "run"]
+STAGES = ["native", "autograd", "hooks", "keys", "capture", "compile", "run"]
 LEAVES = {"errors", "counters"}
 
 

@@ -1,0 +1,176 @@
+"""cagrad's C++ extension: reads of torch's autograd objects that the hook
+check and the hit path make on every backward, where the Python attributes
+cost about ten times more.
+
+The extension (:file:`cagrad_ext.cpp`, built by :mod:`cagrad.native.build`
+on first need) provides:
+
+* ``counts(node, all_lists)``: a node's hook lists, classified
+  (:mod:`cagrad.autograd._hook_counts`).
+* ``release(nodes)``: ``Node::release_variables()`` of each node, what the
+  engine calls after running a node without ``retain_graph``
+  (``call_function`` in torch/csrc/autograd/engine.cpp), about 20 ns a node.
+* the hit guards' readers (:class:`MetadataReaders`, used by
+  :mod:`cagrad.keys.hit_path`): a node's ``InputMetadata`` and a strided
+  tensor's metadata compared against one packed integer, sizes appended to
+  the guard's value list; tuples of ints and ints appended the same way;
+  the order of a tuple of nodes' sequence numbers.
+* ``accumulate(variables, grads, stealable)``: eager's ``AccumulateGrad``
+  for plain dense leaves and gradients with grad mode off (the case of every
+  backward without ``create_graph``), see :func:`accumulate_fn`; and
+  ``stealable(outs, aliases)``, which of a graph's outputs may become a
+  ``.grad`` uncopied (:func:`cagrad.autograd.accumulate.stealable_outputs`).
+
+Every function is compared with what the Python attributes or cagrad's
+Python code give when the extension is loaded (:mod:`cagrad.native.self_tests`;
+the accumulation by :mod:`cagrad.autograd.accumulate`, whose Python code it
+replaces): a function that fails its self-test is not used (a warning is
+logged) and its callers use Python. If the extension cannot be built
+(no compiler) a warning is logged once per process and :func:`load`
+returns None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from . import self_tests
+from .build import build_cagrad_ext
+
+log = logging.getLogger("cagrad")
+
+
+class MetadataReaders(NamedTuple):
+    """The extension's readers for the hit guards (see :func:`metadata_fns`)."""
+
+    metadata_key: Callable[[Any, int], int | None]
+    metadata: Callable[[Any, int, int, list], bool]
+    tensor_key: Callable[[Any, type], int | None]
+    tensor: Callable[[Any, type, int, list], bool]
+    ints: Callable[[Any, int, list], bool]
+    int_: Callable[[Any, list], bool]
+    order: Callable[[tuple, bytes], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Native:
+    """The loaded extension's functions; ``metadata`` is None where a reader
+    failed its self-test (``accumulate`` and ``stealable`` are self-tested
+    by their user, :mod:`cagrad.autograd.accumulate`)."""
+
+    counts: Callable[[Any, bool], Any]
+    release: Callable[[Any], None]
+    metadata: MetadataReaders | None
+    accumulate: Callable[[list, list, list], list]
+    stealable: Callable[[list, list], list]
+
+
+_lock = threading.Lock()
+_native: Native | bool | None = None  # None: not tried yet; False: unavailable
+
+
+def load() -> Native | None:
+    """The extension, built and self-tested on first call; None where it
+    cannot be built or its hook reader fails its self-test (warned once)."""
+    global _native
+    if _native is None:
+        with _lock:
+            if _native is None:
+                _native = _load() or False
+    return _native or None
+
+
+def _load() -> Native | None:
+    try:
+        module = build_cagrad_ext()
+        self_tests.counts(module.counts)
+        self_tests.release(module.release)
+    except Exception as e:  # noqa: BLE001  (no compiler, a compile or load error)
+        detail = getattr(e, "stderr", None) or e
+        log.warning(
+            "cagrad cannot detect hooks added from C++ (%s: %s): they would not run in compiled backwards; "
+            "install a C++ compiler to enable the check",
+            type(e).__name__,
+            detail,
+        )
+        return None
+    metadata = None
+    try:
+        metadata = MetadataReaders(
+            module.metadata_key, module.metadata, module.tensor_key, module.tensor, module.ints, module.int_,
+            module.order,
+        )
+        self_tests.metadata(metadata)
+    except Exception as e:  # noqa: BLE001  (guards read the metadata in Python then)
+        metadata = None
+        log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", e)
+    return Native(module.counts, module.release, metadata, module.accumulate, module.stealable)
+
+
+def metadata_fns() -> MetadataReaders | None:
+    """The hit guards' C++ readers, or None if unavailable.
+
+    ``metadata_key(node, input_nr) -> int | None`` packs what a guard compares
+    of input ``input_nr``'s metadata (dtype, device, rank) into one integer;
+    None for metadata it does not compare this way (nested, a symbolic size,
+    no such input). ``metadata(node, input_nr, key, sizes) -> bool``: whether
+    the metadata has ``key`` now; if so its sizes are appended to the list
+    ``sizes``. About 60 ns a call where the Python attributes of
+    ``node._input_metadata`` cost about 600 ns. ``tensor_key(x, type) -> int |
+    None`` packs a strided tensor's layout, dtype, device, requires_grad and
+    rank (None: ``x`` is not exactly of ``type``, not strided, nested, or
+    symbolic); ``tensor(x, type, key, values) -> bool``: whether ``x`` is of
+    ``type`` with ``key`` now; if so its sizes, strides and storage offset
+    are appended to ``values``. ``ints(a, n, values) -> bool``: whether ``a``
+    is a tuple or list of ``n`` ints; if so they are appended to ``values``
+    as int64 (a value a binding handed out as uint64, 2**63 and up, is read
+    back as the int64 it stores, as
+    :func:`cagrad.keys.compiled_node_args._int64` does); nothing is appended
+    otherwise. ``int_(a, values) -> bool``: the same for one int.
+    ``order(nodes, relation) -> bool``: whether the sequence numbers of a
+    tuple of nodes relate pairwise as ``relation`` says (bytes, one per
+    adjacent pair: ``b"<"`` or ``b"="``).
+
+    Raises (the returned functions):
+        TypeError: ``node`` is not an autograd node, or another argument type.
+        ValueError: ``order``'s relation has the wrong length.
+    """
+    native = load()
+    return native.metadata if native is not None else None
+
+
+def accumulate_fns() -> tuple[Callable[[list, list, list], list], Callable[[list, list], list]] | None:
+    """The C++ ``(accumulate, stealable)``, or None if the extension is
+    unavailable; not self-tested here (their user,
+    :mod:`cagrad.autograd.accumulate`, compares them with its Python code).
+
+    ``accumulate(variables, grads, stealable) -> list[int]``: for each ``i``
+    (three lists of one length: leaf tensors, their gradients, whether each
+    gradient may become ``.grad`` without a copy), with grad mode off, where
+    the leaf is exactly a ``torch.Tensor`` or ``nn.Parameter`` and the
+    gradient exactly a ``torch.Tensor``, both strided and not nested, of one
+    dtype, device and shape, the gradient not requiring grad, and ``.grad``
+    unset or strided: what ``AccumulateGrad::accumulateGrad``
+    (torch/csrc/autograd/functions/accumulate_grad.h) does without
+    ``create_graph``. ``.grad`` unset: the gradient becomes ``.grad`` where
+    stealable and it obeys the gradient layout contract (torch's
+    ``obeys_layout_contract``), else a copy laid out by it
+    (``clone_obey_contract``); ``.grad`` set: added in place. A leaf that no
+    longer requires grad is skipped. Returns the indices it left to the
+    caller (every other case).
+
+    ``stealable(outs, aliases) -> list[bool]``: for each output tensor,
+    ``not aliases[i]`` and no earlier output has the same storage data
+    pointer (:func:`cagrad.autograd.accumulate.stealable_outputs`).
+
+    Raises (the returned functions):
+        TypeError: not lists of one length, or an output not a tensor.
+        RuntimeError: torch's (the in-place add; a tensor without a data
+            pointer).
+    """
+    native = load()
+    return (native.accumulate, native.stealable) if native is not None else None

@@ -1,0 +1,770 @@
+// cagrad's C++ extension: what the hit path and the hook check read from
+// torch's autograd objects faster than their Python attributes can. Built on
+// first need by cagrad/native/build.py; what each function does and why is
+// in cagrad/native/__init__.py, the self-tests that compare each with the
+// Python attributes in cagrad/native/self_tests.py.
+#include <Python.h>
+#if __has_include(<torch/csrc/autograd/node.h>)
+#include <torch/csrc/autograd/node.h>
+#else  // torch before 2.12 declares Node in function.h
+#include <torch/csrc/autograd/function.h>
+#endif
+#include <torch/csrc/autograd/python_hook.h>
+#if __has_include(<torch/csrc/autograd/utils/grad_layout_contract.h>)
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
+#define CAGRAD_HAS_LAYOUT_CONTRACT 1
+#endif
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <cstring>
+#include <vector>
+#include <memory>
+#include <type_traits>
+#include <typeinfo>
+
+using torch::autograd::FunctionPostHook;
+using torch::autograd::FunctionPreHook;
+using torch::autograd::Node;
+
+#ifdef CAGRAD_FULL_HEADERS
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+static const at::Tensor& tensor_of(PyObject* obj) {  // obj: a Tensor (checked by type)
+  return THPVariable_Unpack(obj);
+}
+
+template <typename T>
+static std::shared_ptr<T> strong(const std::weak_ptr<T>& p) {
+  return p.lock();
+}
+template <typename P>
+static const P& strong(const P& p) {
+  return p;
+}
+
+static Node* node_of(PyObject* obj) {
+  Node* node = nullptr;
+  if (THPFunction_Check(obj)) {
+    // a weak_ptr (older torch) is locked; the graph being collected keeps
+    // the node alive after the temporary is gone
+    node = strong(reinterpret_cast<THPFunction*>(obj)->cdata).get();
+  } else if (torch::autograd::THPCppFunction_Check(obj)) {
+    node = reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get();
+  } else {
+    PyErr_Format(PyExc_TypeError, "not an autograd node: %R", obj);
+    return nullptr;
+  }
+  if (node == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "the autograd node was freed");
+  }
+  return node;
+}
+
+static PyObject* init(PyObject*, PyObject*) {
+  Py_RETURN_NONE;
+}
+#else
+namespace torch::autograd {
+bool THPCppFunction_Check(PyObject* obj);
+}
+
+static_assert(std::is_base_of_v<c10::intrusive_ptr_target, Node>);
+
+struct CppFunctionObject {  // THPCppFunction
+  PyObject_HEAD
+  c10::intrusive_ptr<Node> cdata;
+};
+
+struct VariableObject {  // THPVariable (its first fields)
+  PyObject_HEAD
+  at::Tensor cdata;
+};
+
+static const at::Tensor& tensor_of(PyObject* obj) {  // obj: a Tensor (checked by type)
+  return reinterpret_cast<VariableObject*>(obj)->cdata;
+}
+
+static PyTypeObject* function_type = nullptr;  // THPFunctionType
+static Py_ssize_t function_cdata = 0;  // offsetof(THPFunction, cdata): its last field
+
+static Node* node_of(PyObject* obj) {
+  Node* node = nullptr;
+  if (function_type != nullptr && PyObject_TypeCheck(obj, function_type)) {
+    node = reinterpret_cast<c10::intrusive_ptr<Node>*>(
+               reinterpret_cast<char*>(obj) + function_cdata)->get();
+  } else if (torch::autograd::THPCppFunction_Check(obj)) {
+    node = reinterpret_cast<CppFunctionObject*>(obj)->cdata.get();
+  } else {
+    PyErr_Format(PyExc_TypeError, "not an autograd node: %R", obj);
+    return nullptr;
+  }
+  if (node == nullptr || node->pyobj_slot()->load_pyobj() != obj) {
+    PyErr_SetString(PyExc_RuntimeError, "autograd node layout is not the one compiled for");
+    return nullptr;
+  }
+  return node;
+}
+
+// init(THPFunctionType, offset of THPFunction::cdata)
+static PyObject* init(PyObject*, PyObject* args) {
+  PyObject* type;
+  Py_ssize_t offset;
+  if (!PyArg_ParseTuple(args, "O!n", &PyType_Type, &type, &offset)) {
+    return nullptr;
+  }
+  Py_INCREF(type);
+  function_type = reinterpret_cast<PyTypeObject*>(type);
+  function_cdata = offset;
+  Py_RETURN_NONE;
+}
+#endif
+
+static PyTypeObject* tensor_type = nullptr;  // torch.Tensor, from set_tensor_type
+
+static PyObject* set_tensor_type(PyObject*, PyObject* type) {
+  if (!PyType_Check(type)) {
+    PyErr_SetString(PyExc_TypeError, "set_tensor_type(torch.Tensor)");
+    return nullptr;
+  }
+  Py_INCREF(type);
+  tensor_type = reinterpret_cast<PyTypeObject*>(type);
+  Py_RETURN_NONE;
+}
+
+static bool is_tensor_type(PyObject* type) {
+  return tensor_type != nullptr && PyType_Check(type) &&
+         (type == reinterpret_cast<PyObject*>(tensor_type) ||
+          PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), tensor_type));
+}
+
+static bool is_named(const void* type_name, const char* mangled) {
+  return std::strcmp(static_cast<const char*>(type_name), mangled) == 0;
+}
+
+// The Python hook classes of python_hook.h, by mangled name: their typeinfo
+// is not exported from libtorch_python.
+static const char* kTensorPre = "N5torch8autograd23PyFunctionTensorPreHookE";
+static const char* kPre = "N5torch8autograd17PyFunctionPreHookE";
+static const char* kPost = "N5torch8autograd18PyFunctionPostHookE";
+static const char* kPostAcc = "N5torch8autograd32PyFunctionTensorPostAccGradHooksE";
+
+// Appends the hook's dict to `*dicts` (a list made on first need) if it is
+// a Python hook of type `py` with a non-empty dict; returns 1 if it is not a
+// Python hook, -1 on error.
+static int append(PyObject** list, PyObject* item) {
+  if (*list == nullptr && (*list = PyList_New(0)) == nullptr) {
+    return -1;
+  }
+  return PyList_Append(*list, item);
+}
+
+template <typename Hook, typename PyHook>
+static int classify(const Hook* hook, const char* py, PyObject** dicts) {
+  if (hook == nullptr) {
+    return 0;
+  }
+  const char* name = typeid(*hook).name();
+  if (*name == '*') {
+    ++name;
+  }
+  if (!is_named(name, py)) {
+    return 1;
+  }
+  PyObject* dict = static_cast<const PyHook*>(hook)->dict;
+  if (dict != nullptr && PyDict_Check(dict) && PyDict_Size(dict) > 0) {
+    if (append(dicts, dict) < 0) {
+      return -1;
+    }
+  }
+  return 0;
+}
+
+// counts(node, all_lists) -> None if the node has no hook that calls
+// anything, or (tensor_pre_foreign, tensor_pre_dicts, retains_grad_outputs,
+// pre_foreign, pre_dicts, post_foreign, post_dicts, post_acc_foreign,
+// post_acc_dict): *_foreign: how many hooks are not Python hooks; *_dicts:
+// the non-empty dicts of the Python hooks; retains_grad_outputs: the output
+// numbers with a retains-grad hook; post_acc_dict: the non-empty dict of a
+// Python post-accumulate-grad hook, or None. Without all_lists only the
+// tensor pre-hooks and retains-grad hooks are read (a node whose inputs are
+// only captured runs no others).
+static PyObject* counts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "counts(node, all_lists)");
+    return nullptr;
+  }
+  Node* node = node_of(args[0]);
+  if (node == nullptr) {
+    return nullptr;
+  }
+  int all_lists = PyObject_IsTrue(args[1]);
+  if (all_lists < 0) {
+    return nullptr;
+  }
+  auto& tensor_pre = node->tensor_pre_hooks();
+  auto& retains = node->retains_grad_hooks();
+  auto& pre = node->pre_hooks();
+  auto& post = node->post_hooks();
+  const auto& post_acc = node->tensor_post_acc_grad_hooks();
+  if (tensor_pre.empty() && retains.empty() &&
+      (!all_lists || (pre.empty() && post.empty() && !post_acc))) {
+    Py_RETURN_NONE;
+  }
+  PyObject* lists[4] = {nullptr, nullptr, nullptr, nullptr};
+  long foreign[4] = {0, 0, 0, 0};
+  PyObject* acc_dict = Py_None;
+  bool failed = false;
+  auto add = [&](int i, int r) {
+    if (r < 0) {
+      failed = true;
+    } else {
+      foreign[i] += r;
+    }
+  };
+  for (const auto& h : tensor_pre) {
+    if (!failed) {
+      add(0, classify<FunctionPreHook, torch::autograd::PyFunctionTensorPreHook>(
+                 h.get(), kTensorPre, &lists[0]));
+    }
+  }
+  for (const auto& kv : retains) {
+    if (!failed && kv.second) {
+      PyObject* nr = PyLong_FromSize_t(kv.first);
+      failed = nr == nullptr || append(&lists[3], nr) < 0;
+      Py_XDECREF(nr);
+    }
+  }
+  if (all_lists) {
+    for (const auto& h : pre) {
+      if (!failed) {
+        add(1, classify<FunctionPreHook, torch::autograd::PyFunctionPreHook>(h.get(), kPre, &lists[1]));
+      }
+    }
+    for (const auto& h : post) {
+      if (!failed) {
+        add(2, classify<FunctionPostHook, torch::autograd::PyFunctionPostHook>(h.get(), kPost, &lists[2]));
+      }
+    }
+    if (post_acc) {
+      const char* name = typeid(*post_acc).name();
+      if (*name == '*') {
+        ++name;
+      }
+      if (is_named(name, kPostAcc)) {
+        using PyPostAcc = torch::autograd::PyFunctionTensorPostAccGradHooks;
+        PyObject* dict = static_cast<const PyPostAcc*>(post_acc.get())->dict;
+        if (dict != nullptr && PyDict_Check(dict) && PyDict_Size(dict) > 0) {
+          acc_dict = dict;
+        }
+      } else {
+        foreign[3] = 1;
+      }
+    }
+  }
+  PyObject* result = nullptr;
+  if (!failed) {
+    if (foreign[0] == 0 && foreign[1] == 0 && foreign[2] == 0 && foreign[3] == 0 &&
+        acc_dict == Py_None && !lists[0] && !lists[1] && !lists[2] && !lists[3]) {
+      result = Py_None;
+      Py_INCREF(result);
+    } else {
+      for (PyObject*& l : lists) {
+        if (l == nullptr) {
+          l = PyTuple_New(0);
+        }
+      }
+      if (lists[0] && lists[1] && lists[2] && lists[3]) {
+        result = Py_BuildValue("(lOOlOlOlO)", foreign[0], lists[0], lists[3], foreign[1], lists[1],
+                               foreign[2], lists[2], foreign[3], acc_dict);
+      }
+    }
+  }
+  for (PyObject* l : lists) {
+    Py_XDECREF(l);
+  }
+  return result;
+}
+
+// release(nodes): Node::release_variables() on each node (None skipped), as
+// the engine does after running a node without keep_graph.
+static PyObject* release(PyObject*, PyObject* nodes) {
+  PyObject* fast = PySequence_Fast(nodes, "release() expects a sequence of autograd nodes");
+  if (fast == nullptr) {
+    return nullptr;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (items[i] == Py_None) {
+      continue;
+    }
+    Node* node = node_of(items[i]);
+    if (node == nullptr) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    try {
+      node->release_variables();
+    } catch (const std::exception& e) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  Py_DECREF(fast);
+  Py_RETURN_NONE;
+}
+
+static int append_int(PyObject* list, int64_t value) {
+  PyObject* v = PyLong_FromLongLong(value);
+  if (v == nullptr) {
+    return -1;
+  }
+  int r = PyList_Append(list, v);
+  Py_DECREF(v);
+  return r;
+}
+
+// dtype, device type and index, and rank in one integer (the hit guards'
+// constants); bits 40 and up are free for more
+static long long pack_key(c10::ScalarType dtype, c10::Device device, size_t rank) {
+  return static_cast<long long>(static_cast<int>(dtype)) |
+         (static_cast<long long>(static_cast<int>(device.type())) << 8) |
+         (static_cast<long long>(device.index() + 1) << 16) |
+         (static_cast<long long>(rank) << 24);
+}
+
+// The key of input `nr`'s InputMetadata as the hit guards compare it: dtype,
+// device type and index, and rank packed in one integer; -1 for metadata a
+// guard does not compare this way (nested, a symbolic size, no such input).
+static long long metadata_key_of(const Node* node, Py_ssize_t nr) {
+  if (nr < 0 || static_cast<size_t>(nr) >= node->num_inputs()) {
+    return -1;
+  }
+  const auto& m = node->input_metadata(static_cast<size_t>(nr));
+  if (m.is_nested_tensor()) {
+    return -1;
+  }
+  const auto shape = m.shape_as_dim_vector();
+  for (const auto& size : shape) {
+    if (!size.maybe_as_int().has_value()) {
+      return -1;
+    }
+  }
+  return pack_key(m.dtype().toScalarType(), m.device(), shape.size());
+}
+
+// metadata_key(node, nr) -> int or None (see metadata_key_of).
+static PyObject* metadata_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "metadata_key(node, input_nr)");
+    return nullptr;
+  }
+  Node* node = node_of(args[0]);
+  Py_ssize_t nr = PyLong_AsSsize_t(args[1]);
+  if (node == nullptr || (nr == -1 && PyErr_Occurred())) {
+    return nullptr;
+  }
+  long long key = metadata_key_of(node, nr);
+  if (key < 0) {
+    Py_RETURN_NONE;
+  }
+  return PyLong_FromLongLong(key);
+}
+
+// metadata(node, nr, key, sizes) -> bool: whether input nr's metadata has
+// `key` (from metadata_key); if so its sizes are appended to the list `sizes`.
+static PyObject* metadata(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyList_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "metadata(node, input_nr, key, sizes: list)");
+    return nullptr;
+  }
+  Node* node = node_of(args[0]);
+  Py_ssize_t nr = PyLong_AsSsize_t(args[1]);
+  long long want = PyLong_AsLongLong(args[2]);
+  if (node == nullptr || PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (metadata_key_of(node, nr) != want) {
+    Py_RETURN_FALSE;
+  }
+  for (const auto& size : node->input_metadata(static_cast<size_t>(nr)).shape_as_dim_vector()) {
+    if (append_int(args[3], *size.maybe_as_int()) < 0) {
+      return nullptr;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+// The key of a strided tensor's metadata as the hit guards compare it:
+// layout, dtype, device type and index, requires_grad and rank packed in one
+// integer; -1 for a tensor a guard does not compare this way (not strided,
+// nested, symbolic sizes or strides, undefined).
+static long long tensor_key_of(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() ||
+      t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return -1;
+  }
+  return pack_key(t.scalar_type(), t.device(), t.dim()) | (static_cast<long long>(t.requires_grad()) << 40);
+}
+
+// tensor_key(x, type) -> int or None: tensor_key_of for x of exactly `type`
+// (torch.Tensor or a subclass that keeps its layout, e.g. nn.Parameter).
+static PyObject* tensor_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !is_tensor_type(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "tensor_key(tensor, tensor_type)");
+    return nullptr;
+  }
+  if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(args[1])) {
+    Py_RETURN_NONE;
+  }
+  long long key = tensor_key_of(tensor_of(args[0]));
+  if (key < 0) {
+    Py_RETURN_NONE;
+  }
+  return PyLong_FromLongLong(key);
+}
+
+// tensor(x, type, key, values) -> bool: whether x is exactly of `type` (from
+// tensor_key's call) and has `key`; if so its sizes, strides and storage
+// offset are appended to the list `values`.
+static PyObject* tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyList_Check(args[3]) || !is_tensor_type(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "tensor(x, tensor_type, key, values: list)");
+    return nullptr;
+  }
+  long long want = PyLong_AsLongLong(args[2]);
+  if (want == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(args[1])) {
+    Py_RETURN_FALSE;
+  }
+  const at::Tensor& t = tensor_of(args[0]);
+  if (tensor_key_of(t) != want) {
+    Py_RETURN_FALSE;
+  }
+  for (int64_t v : t.sizes()) {
+    if (append_int(args[3], v) < 0) {
+      return nullptr;
+    }
+  }
+  for (int64_t v : t.strides()) {
+    if (append_int(args[3], v) < 0) {
+      return nullptr;
+    }
+  }
+  if (append_int(args[3], t.storage_offset()) < 0) {
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+}
+
+// Appends `item` to `values` as an int64 if it is an int: a value a binding
+// handed out as uint64 (2**63 and up) is read back as the int64 it stores.
+// Returns 1 if appended, 0 if `item` is not an int in range, -1 on error.
+static int append_int64_of(PyObject* values, PyObject* item) {
+  if (!PyLong_Check(item)) {
+    return 0;
+  }
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+  if (v == -1 && PyErr_Occurred()) {
+    return -1;
+  }
+  if (overflow < 0) {
+    return 0;
+  }
+  if (overflow > 0) {
+    unsigned long long u = PyLong_AsUnsignedLongLong(item);
+    if (u == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();  // 2**64 and up: not an int64 either way
+      return 0;
+    }
+    v = static_cast<long long>(u);
+  }
+  return append_int(values, v) < 0 ? -1 : 1;
+}
+
+// ints(a, n, values) -> bool: whether `a` is a tuple or list of `n` ints; if
+// so they are appended to the list `values` (see append_int64_of). Nothing is
+// appended when it returns False.
+static PyObject* ints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "ints(a, n, values: list)");
+    return nullptr;
+  }
+  Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+  if (n == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  PyObject* a = args[0];
+  if (!(PyTuple_Check(a) || PyList_Check(a)) || PySequence_Fast_GET_SIZE(a) != n) {
+    Py_RETURN_FALSE;
+  }
+  PyObject** items = PySequence_Fast_ITEMS(a);
+  Py_ssize_t start = PyList_GET_SIZE(args[2]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int r = append_int64_of(args[2], items[i]);
+    if (r <= 0) {
+      if (PyList_SetSlice(args[2], start, PyList_GET_SIZE(args[2]), nullptr) < 0 || r < 0) {
+        return nullptr;
+      }
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+// int_(a, values) -> bool: whether `a` is an int; if so it is appended to the
+// list `values` (see append_int64_of).
+static PyObject* int_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "int_(a, values: list)");
+    return nullptr;
+  }
+  int r = append_int64_of(args[1], args[0]);
+  if (r < 0) {
+    return nullptr;
+  }
+  return PyBool_FromLong(r);
+}
+
+// order(nodes, relation) -> bool: whether the sequence numbers of the nodes
+// (a tuple) relate pairwise as `relation` says: relation[i] is b'<' or b'='
+// for nodes[i] against nodes[i + 1].
+static PyObject* order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "order(nodes: tuple, relation: bytes)");
+    return nullptr;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+  if (PyBytes_GET_SIZE(args[1]) != (n > 0 ? n - 1 : 0)) {
+    PyErr_SetString(PyExc_ValueError, "order(): relation must have one byte per adjacent pair");
+    return nullptr;
+  }
+  const char* rel = PyBytes_AS_STRING(args[1]);
+  uint64_t prev = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Node* node = node_of(PyTuple_GET_ITEM(args[0], i));
+    if (node == nullptr) {
+      return nullptr;
+    }
+    uint64_t seq = node->sequence_nr();
+    if (i > 0 && !(rel[i - 1] == '<' ? prev < seq : prev == seq)) {
+      Py_RETURN_FALSE;
+    }
+    prev = seq;
+  }
+  Py_RETURN_TRUE;
+}
+
+static PyTypeObject* parameter_type = nullptr;  // nn.Parameter, from set_parameter_type
+
+static PyObject* set_parameter_type(PyObject*, PyObject* type) {
+  if (!is_tensor_type(type)) {
+    PyErr_SetString(PyExc_TypeError, "set_parameter_type(torch.nn.Parameter)");
+    return nullptr;
+  }
+  Py_INCREF(type);
+  parameter_type = reinterpret_cast<PyTypeObject*>(type);
+  Py_RETURN_NONE;
+}
+
+// Copies and in-place sums that accumulate() does for several leaves in one
+// multi-tensor kernel each (_foreach_copy_, _foreach_add_) instead of one
+// kernel per leaf: on a GPU each launch costs the host several us.
+struct Pending {
+  std::vector<at::Tensor> copy_to, copy_from, add_to, add_from;
+  std::vector<at::Tensor> copied;  // the leaves whose new .grad is in copy_to
+};
+
+// One leaf's gradient into its .grad with grad mode off, where both are plain
+// dense tensors: 1 if done (or queued in `pending`), 0 if the caller must do
+// it (another case), -1 on error. What happens follows
+// AccumulateGrad::accumulateGrad (torch/csrc/autograd/functions/
+// accumulate_grad.h) for these cases: .grad unset: the gradient itself where
+// `stealable` and it obeys the layout contract, else a copy laid out by the
+// contract (the leaf's strides where they are non-overlapping and dense,
+// else contiguous: clone_obey_contract's layout); .grad set: added in place.
+static int accumulate_one(PyObject* var_obj, PyObject* grad_obj, bool stealable, Pending& pending) {
+#ifdef CAGRAD_HAS_LAYOUT_CONTRACT
+  PyTypeObject* vt = Py_TYPE(var_obj);
+  if ((vt != tensor_type && vt != parameter_type) || Py_TYPE(grad_obj) != tensor_type) {
+    return 0;
+  }
+  const at::Tensor& variable = tensor_of(var_obj);
+  const at::Tensor& grad = tensor_of(grad_obj);
+  if (!variable.defined() || !grad.defined()) {
+    return 0;
+  }
+  if (!variable.requires_grad()) {
+    return 1;  // requires_grad was switched off after the forward: nothing to do
+  }
+  if (variable.layout() != c10::kStrided || grad.layout() != c10::kStrided || variable.is_nested() ||
+      grad.is_nested() || grad.requires_grad() || grad.scalar_type() != variable.scalar_type() ||
+      grad.device() != variable.device() || !grad.sizes().equals(variable.sizes())) {
+    return 0;
+  }
+  at::Tensor& old = variable.mutable_grad();
+  if (!old.defined()) {
+    if (stealable && torch::autograd::utils::obeys_layout_contract(grad, variable)) {
+      old = grad;
+    } else {
+      old = variable.is_non_overlapping_and_dense()
+                ? at::empty_strided(variable.sizes(), variable.strides(), grad.options())
+                : at::empty(grad.sizes(), grad.options());
+      pending.copy_to.push_back(old);
+      pending.copy_from.push_back(grad);
+      pending.copied.push_back(variable);
+    }
+    return 1;
+  }
+  if (old.layout() != c10::kStrided || old.is_nested() || old.scalar_type() != grad.scalar_type() ||
+      old.device() != grad.device()) {
+    return 0;
+  }
+  pending.add_to.push_back(old);
+  pending.add_from.push_back(grad);
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// accumulate(variables, grads, stealable) -> list: accumulate_one for each
+// (variables[i], grads[i], stealable[i]) (three lists of one length), grad
+// mode off, then the queued copies and sums; returns the indices it left to
+// the caller.
+static PyObject* accumulate(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyList_Check(args[2]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "accumulate(variables: list, grads: list, stealable: list), one length");
+    return nullptr;
+  }
+  PyObject* left = PyList_New(0);
+  if (left == nullptr) {
+    return nullptr;
+  }
+  Pending pending;
+  bool copies_done = false;
+  try {
+    at::NoGradGuard no_grad;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[0]); ++i) {
+      int steal = PyObject_IsTrue(PyList_GET_ITEM(args[2], i));
+      int r = steal < 0 ? -1
+                        : accumulate_one(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), steal, pending);
+      if (r < 0 || (r == 0 && append_int(left, i) < 0)) {
+        Py_DECREF(left);
+        return nullptr;
+      }
+    }
+    if (!pending.copy_to.empty()) {
+      at::_foreach_copy_(pending.copy_to, pending.copy_from);
+    }
+    copies_done = true;
+    if (!pending.add_to.empty()) {
+      at::_foreach_add_(pending.add_to, pending.add_from);
+    }
+  } catch (const std::exception& e) {
+    // no leaf keeps an uninitialized .grad: where the copies did not run,
+    // the leaves they were to fill are unset again (they were unset before)
+    if (!copies_done) {
+      for (size_t k = 0; k < pending.copied.size(); ++k) {
+        if (pending.copied[k].grad().is_same(pending.copy_to[k])) {
+          pending.copied[k].mutable_grad().reset();
+        }
+      }
+    }
+    Py_DECREF(left);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  return left;
+}
+
+// stealable(outs, aliases) -> list[bool]: for each tensor of `outs` (a
+// list), whether it may become a .grad without a copy: aliases[i] (a list of
+// bools, one per output) is False and no earlier output has the same storage
+// data pointer (a backend may hand back one buffer for two outputs).
+static PyObject* stealable(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "stealable(outs: list, aliases: list), one length");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(args[0]);
+  PyObject* result = PyList_New(n);
+  if (result == nullptr) {
+    return nullptr;
+  }
+  std::vector<const void*> seen;
+  seen.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* out = PyList_GET_ITEM(args[0], i);
+    if (!is_tensor_type(reinterpret_cast<PyObject*>(Py_TYPE(out)))) {
+      Py_DECREF(result);
+      PyErr_Format(PyExc_TypeError, "stealable(): output %zd is not a tensor", i);
+      return nullptr;
+    }
+    int aliases = PyObject_IsTrue(PyList_GET_ITEM(args[1], i));
+    if (aliases < 0) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    bool ok = !aliases;
+    const at::Tensor& t = tensor_of(out);
+    const void* ptr = nullptr;
+    try {
+      ptr = t.defined() && t.has_storage() ? t.storage().data() : nullptr;
+    } catch (const std::exception& e) {
+      Py_DECREF(result);
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+    if (ptr != nullptr) {
+      for (const void* p : seen) {
+        if (p == ptr) {
+          ok = false;
+          break;
+        }
+      }
+      seen.push_back(ptr);
+    }
+    PyObject* b = ok ? Py_True : Py_False;
+    Py_INCREF(b);
+    PyList_SET_ITEM(result, i, b);
+  }
+  return result;
+}
+
+static PyMethodDef methods[] = {
+    {"stealable", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stealable)), METH_FASTCALL, nullptr},
+    {"ints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ints)), METH_FASTCALL, nullptr},
+    {"int_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(int_)), METH_FASTCALL, nullptr},
+    {"order", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(order)), METH_FASTCALL, nullptr},
+    {"set_parameter_type", set_parameter_type, METH_O, nullptr},
+    {"accumulate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(accumulate)), METH_FASTCALL, nullptr},
+    {"set_tensor_type", set_tensor_type, METH_O, nullptr},
+    {"tensor_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor_key)), METH_FASTCALL, nullptr},
+    {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor)), METH_FASTCALL, nullptr},
+    {"init", init, METH_VARARGS, nullptr},
+    {"metadata_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(metadata_key)), METH_FASTCALL, nullptr},
+    {"metadata", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(metadata)), METH_FASTCALL, nullptr},
+    {"counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(counts)), METH_FASTCALL, nullptr},
+    {"release", release, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};
+
+#define CONCAT2(a, b) a##b
+#define CONCAT(a, b) CONCAT2(a, b)
+PyMODINIT_FUNC CONCAT(PyInit_, MODULE_NAME)() {
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,141 @@
+"""Self-tests of cagrad's C++ extension, run when it is loaded
+(:func:`cagrad.native.load`): each reader is compared with the Python
+attributes it replaces, on tensors and nodes made here. Each raises
+RuntimeError saying what differs. (``accumulate`` and ``stealable`` are
+compared with the Python code they replace by their user,
+:mod:`cagrad.autograd.accumulate`.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def release(release: Any) -> None:
+    """``release`` frees a C++ node's saved tensors as the engine does."""
+    with torch.inference_mode(False), torch.enable_grad():
+        y = torch.ones(1, requires_grad=True).exp()  # ExpBackward0 saves its result
+    release([None, y.grad_fn])
+    try:
+        y.grad_fn._saved_result
+    except RuntimeError:
+        return
+    raise RuntimeError("release() left ExpBackward0's saved result in place")
+
+
+def _metadata_readers(metadata_key: Any, metadata: Any) -> None:
+    """The C++ reader sees the same InputMetadata as ``node._input_metadata``."""
+    with torch.inference_mode(False), torch.enable_grad():
+        a = torch.ones(3, 4, requires_grad=True)
+        b = torch.ones(5, dtype=torch.float64, requires_grad=True)
+        node = torch.cat([a.flatten(), b.float()]).grad_fn  # CatBackward0: inputs a's view and b's cast
+    for x in (a, b):
+        y = (x * 2).grad_fn
+        key = metadata_key(y, 0)
+        sizes: list = []
+        if key is None or not metadata(y, 0, key, sizes) or sizes != list(x.shape):
+            raise RuntimeError(f"metadata of a {tuple(x.shape)} {x.dtype} input read as {key}, {sizes}")
+        other = metadata_key((x.float() if x.dtype == torch.float64 else x.double()).mul(2).grad_fn, 0)
+        if other == key or metadata(y, 0, other, sizes) or metadata_key(y, 1) is not None:
+            raise RuntimeError("metadata of another dtype or a missing input reads as the same key")
+    if metadata_key(node, 0) is None or metadata_key(node, 1) is not None:
+        raise RuntimeError("CatBackward0 has one input")
+
+
+def _tensor_readers(tensor_key: Any, tensor: Any) -> None:
+    """The C++ reader sees a tensor's metadata as its Python attributes do."""
+    base = torch.zeros(4, 6, dtype=torch.float64)
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    for x in (base, base[1:, ::2].t(), param, torch.ones(()), param.detach()):
+        key = tensor_key(x, type(x))
+        values: list = []
+        if key is None or not tensor(x, type(x), key, values):
+            raise RuntimeError(f"tensor {tuple(x.shape)} {type(x).__name__} not read")
+        if values != [*x.shape, *x.stride(), x.storage_offset()]:
+            raise RuntimeError(f"tensor {tuple(x.shape)} read as {values}")
+        others = (x.float() if x.dtype == torch.float64 else x.double(), x.detach().requires_grad_(not x.requires_grad))
+        for other in others:
+            if tensor_key(other, type(x)) == key or tensor(other, type(x), key, values):
+                raise RuntimeError(f"another dtype or requires_grad reads as {key}")
+    if tensor_key(torch.ones(2).to_sparse(), torch.Tensor) is not None or tensor_key(param, torch.Tensor) is not None:
+        raise RuntimeError("a sparse tensor or another type has a key")
+
+
+def counts(counts: Any) -> None:
+    """The extension reads a C++ node and a custom Function node as expected."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.ones(1, requires_grad=True)
+        outs = (leaf.neg(), _Identity.apply(leaf))  # neither saves a tensor
+    for out in outs:
+        node = out.grad_fn
+        if counts(node, True) is not None:
+            raise RuntimeError(f"a fresh {node.name()} reports hooks")
+        handle = node.register_prehook(lambda *a: None)
+        got = counts(node, True)
+        handle.remove()
+        if got is None or got[3] != 0 or len(got[4]) != 1:
+            raise RuntimeError(f"{node.name()} with one Python pre-hook reports {got}")
+        if counts(node, True) is not None:  # the dict stays, empty
+            raise RuntimeError(f"{node.name()} with an empty hook dict reports hooks")
+
+
+def metadata(readers: Any) -> None:
+    """All of :class:`cagrad.native.MetadataReaders`."""
+    _metadata_readers(readers.metadata_key, readers.metadata)
+    _tensor_readers(readers.tensor_key, readers.tensor)
+    _ints(readers.ints, readers.int_)
+    _order(readers.order)
+
+
+def _ints(ints: Any, int_: Any) -> None:
+    """Ints are appended as int64 (2**63 and up read back as the int64 a
+    uint64 stores, ``v - 2**64``); anything else appends nothing and reads
+    False."""
+
+    def _int64(v: int) -> int:
+        return v - 2**64 if v >= 2**63 else v
+
+    values: list = [7]
+    for a in ((3, 2**64 - 1, 0), [5], (), torch.Size([2, 4])):
+        if not ints(a, len(a), values) or values[1:] != [_int64(v) for v in a]:
+            raise RuntimeError(f"ints({a!r}) appended {values[1:]}")
+        del values[1:]
+    for a, n in (((1, 2), 3), ((1, 2.0), 2), ((1, None), 2), (None, 0), (3, 1), ((1, 2**64), 2)):
+        if ints(a, n, values) or values != [7]:
+            raise RuntimeError(f"ints({a!r}, {n}) read as ints ({values[1:]})")
+    for a in (0, 2**63, -5):
+        if not int_(a, values) or values[1:] != [_int64(a)]:
+            raise RuntimeError(f"int_({a!r}) appended {values[1:]}")
+        del values[1:]
+    for a in (None, 1.5, (1,)):
+        if int_(a, values) or values != [7]:
+            raise RuntimeError(f"int_({a!r}) read as an int")
+
+
+def _order(order: Any) -> None:
+    """The order of sequence numbers is ``_sequence_nr()``'s."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(2, requires_grad=True)
+        a = x.exp()
+        b = a.sin()
+        c = _Identity.apply(b)
+    nodes = (a.grad_fn, b.grad_fn, c.grad_fn)
+    seq = [n._sequence_nr() for n in nodes]
+    if not seq[0] < seq[1] < seq[2]:
+        raise RuntimeError(f"sequence numbers {seq} do not grow with creation")
+    if not order(nodes, b"<<") or order(nodes[::-1], b"<<") or order(nodes, b"<=") or not order(nodes[:1], b""):
+        raise RuntimeError(f"order() misreads sequence numbers {seq}")
+    if not order((nodes[1], nodes[1]), b"=") or order((nodes[1], nodes[1]), b"<"):
+        raise RuntimeError("order() misreads equal sequence numbers")

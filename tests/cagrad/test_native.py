@@ -1,0 +1,129 @@
+"""cagrad's C++ extension (:mod:`cagrad.native`) against eager autograd.
+
+The extension's functions replace Python code on the cache-hit path; each is
+self-tested when loaded, and here the backwards that use them (guarded hits,
+accumulation into ``.grad``) are compared with eager's on the cases where
+eager's ``AccumulateGrad::accumulateGrad`` behaves differently: leaves of
+every stride pattern (the gradient layout contract), ``.grad`` unset, dense
+or sparse, and a leaf whose ``requires_grad`` was switched off after the
+forward. Each case runs with the C++ accumulation and with the Python one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import cagrad
+from cagrad import native
+from cagrad.autograd import accumulate
+
+from .conftest import same
+
+
+@pytest.fixture(scope="module")
+def built():
+    if native.load() is None:
+        if shutil.which(os.environ.get("CXX", "c++")) is not None:
+            pytest.fail("a C++ compiler is installed but the cagrad extension did not build (see the cagrad warning)")
+        pytest.skip("no C++ compiler: the extension cannot be built")
+
+
+def test_every_function_passes_its_self_test(built):
+    """A reader or the accumulation that failed its self-test would be
+    switched off with a warning; on this torch none may be."""
+    assert native.metadata_fns() is not None
+    assert accumulate._native_fns() is not None
+
+
+def _leaf(kind: str) -> torch.Tensor:
+    base = torch.randn(4, 6, 2, 3)
+    if kind == "contiguous":
+        x = base
+    elif kind == "transposed":
+        x = base.transpose(0, 3).contiguous().transpose(0, 3)  # dense, other strides
+    elif kind == "channels_last":
+        x = base.contiguous(memory_format=torch.channels_last)
+    elif kind == "size_one":
+        x = torch.randn(4, 1, 2, 3).transpose(1, 2).contiguous().transpose(1, 2).expand(4, 1, 2, 3)
+    else:  # "strided_view": not dense, so .grad is contiguous
+        x = torch.randn(8, 6, 2, 3)[::2]
+    return x.clone(memory_format=torch.preserve_format).requires_grad_() if kind != "strided_view" else x.requires_grad_()
+
+
+def _preset(kind: str, like: torch.Tensor) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    if kind == "dense":
+        return torch.ones_like(like).detach()
+    if kind == "dense_transposed":
+        return torch.ones(like.shape[::-1]).permute(3, 2, 1, 0)
+    return torch.ones_like(like).detach().to_sparse()
+
+
+@pytest.mark.parametrize("path", ["cpp", "python"])
+@pytest.mark.parametrize("preset", ["none", "dense", "dense_transposed", "sparse"])
+@pytest.mark.parametrize("leaf_kind", ["contiguous", "transposed", "channels_last", "size_one", "strided_view"])
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
+def test_accumulation_into_grad_matches_eager(built, monkeypatch, path, preset, leaf_kind):
+    """Values, layout, strides and ``.grad`` identity after two backwards
+    (the second a guarded hit), against eager's."""
+    if path == "python":
+        monkeypatch.setattr(accumulate, "_native", False)
+
+    def build():
+        w = _leaf(leaf_kind)
+        other = torch.randn(4, 6, 2, 3, requires_grad=True)  # a second leaf: its grad is contiguous
+        results = []
+        for step in range(2):
+            w.grad = _preset(preset, w) if step == 0 else w.grad
+            before = w.grad
+            # the gradient of w is a permuted, non-contiguous tensor before the
+            # contract lays it out; of `other` a fresh contiguous one
+            loss = (w.permute(3, 1, 2, 0).sin() * 2).sum() + (other * w.detach()).square().sum()
+            loss.backward()
+            results.append((w.grad.clone() if w.grad.layout == torch.strided else w.grad.to_dense(),
+                            w.grad.layout, w.grad.stride() if w.grad.layout == torch.strided else None,
+                            w.grad is before, other.grad.stride()))
+        return results
+
+    torch.manual_seed(0)
+    expected = build()
+    torch.manual_seed(0)
+    with cagrad.enable("eager"):
+        actual = build()
+    for e, a in zip(expected, actual):
+        same(e[0], a[0])
+        assert e[1:] == a[1:]
+    assert cagrad.counters["captures"] == 1 and cagrad.counters["guard_hits"] >= 1, dict(cagrad.counters)
+
+
+@pytest.mark.parametrize("path", ["cpp", "python"])
+def test_a_leaf_that_stopped_requiring_grad_gets_none(built, monkeypatch, path):
+    """``requires_grad_(False)`` between forward and backward: eager's
+    AccumulateGrad leaves ``.grad`` alone."""
+    if path == "python":
+        monkeypatch.setattr(accumulate, "_native", False)
+
+    def build():
+        a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        grads = []
+        for _ in range(2):
+            loss = (a * b).sum()
+            b.requires_grad_(False)
+            loss.backward()
+            b.requires_grad_(True)
+            grads.append((a.grad.clone(), b.grad))
+        return grads
+
+    torch.manual_seed(0)
+    expected = build()
+    torch.manual_seed(0)
+    with cagrad.enable("eager"):
+        actual = build()
+    for (ea, eb), (aa, ab) in zip(expected, actual):
+        same(ea, aa)
+        assert eb is None and ab is None
