@@ -160,6 +160,5 @@ def build_cagrad_ext(full_headers: bool | None = None) -> Any:
             log.info("cagrad builds its extension with torch's Python headers (slower): %s", why)
     module = build("cagrad_hook_counts", SOURCE_PATH.read_text(), ("-DCAGRAD_FULL_HEADERS",) if full_headers else ())
     module.init(torch._C._FunctionBase, torch._C._FunctionBase.__basicsize__ - 8)
-    module.set_tensor_type(torch.Tensor)
-    module.set_parameter_type(torch.nn.Parameter)
+    module.set_tensor_types(torch.Tensor, torch.nn.Parameter)
     return module

@@ -124,15 +124,22 @@ static PyObject* init(PyObject*, PyObject* args) {
 }
 #endif
 
-static PyTypeObject* tensor_type = nullptr;  // torch.Tensor, from set_tensor_type
+static PyTypeObject* tensor_type = nullptr;  // torch.Tensor, from set_tensor_types
+static PyTypeObject* parameter_type = nullptr;  // nn.Parameter, from set_tensor_types
 
-static PyObject* set_tensor_type(PyObject*, PyObject* type) {
-  if (!PyType_Check(type)) {
-    PyErr_SetString(PyExc_TypeError, "set_tensor_type(torch.Tensor)");
+// set_tensor_types(torch.Tensor, torch.nn.Parameter)
+static PyObject* set_tensor_types(PyObject*, PyObject* args) {
+  PyObject* tensor;
+  PyObject* parameter;
+  if (!PyArg_ParseTuple(args, "O!O!", &PyType_Type, &tensor, &PyType_Type, &parameter) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(parameter), reinterpret_cast<PyTypeObject*>(tensor))) {
+    PyErr_SetString(PyExc_TypeError, "set_tensor_types(torch.Tensor, torch.nn.Parameter)");
     return nullptr;
   }
-  Py_INCREF(type);
-  tensor_type = reinterpret_cast<PyTypeObject*>(type);
+  Py_INCREF(tensor);
+  Py_INCREF(parameter);
+  tensor_type = reinterpret_cast<PyTypeObject*>(tensor);
+  parameter_type = reinterpret_cast<PyTypeObject*>(parameter);
   Py_RETURN_NONE;
 }
 
@@ -564,18 +571,6 @@ static PyObject* order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-static PyTypeObject* parameter_type = nullptr;  // nn.Parameter, from set_parameter_type
-
-static PyObject* set_parameter_type(PyObject*, PyObject* type) {
-  if (!is_tensor_type(type)) {
-    PyErr_SetString(PyExc_TypeError, "set_parameter_type(torch.nn.Parameter)");
-    return nullptr;
-  }
-  Py_INCREF(type);
-  parameter_type = reinterpret_cast<PyTypeObject*>(type);
-  Py_RETURN_NONE;
-}
-
 // Copies and in-place sums that accumulate() does for several leaves in one
 // multi-tensor kernel each (_foreach_copy_, _foreach_add_) instead of one
 // kernel per leaf: on a GPU each launch costs the host several us.
@@ -749,9 +744,8 @@ static PyMethodDef methods[] = {
     {"ints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ints)), METH_FASTCALL, nullptr},
     {"int_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(int_)), METH_FASTCALL, nullptr},
     {"order", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(order)), METH_FASTCALL, nullptr},
-    {"set_parameter_type", set_parameter_type, METH_O, nullptr},
     {"accumulate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(accumulate)), METH_FASTCALL, nullptr},
-    {"set_tensor_type", set_tensor_type, METH_O, nullptr},
+    {"set_tensor_types", set_tensor_types, METH_VARARGS, nullptr},
     {"tensor_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor_key)), METH_FASTCALL, nullptr},
     {"tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(tensor)), METH_FASTCALL, nullptr},
     {"init", init, METH_VARARGS, nullptr},

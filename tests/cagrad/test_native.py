@@ -21,7 +21,7 @@ import cagrad
 from cagrad import native
 from cagrad.autograd import accumulate
 
-from .conftest import same
+from .conftest import run_both, same
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +90,7 @@ def test_accumulation_into_grad_matches_eager(built, monkeypatch, path, preset, 
                             w.grad is before, other.grad.stride()))
         return results
 
-    torch.manual_seed(0)
-    expected = build()
-    torch.manual_seed(0)
-    with cagrad.enable("eager"):
-        actual = build()
+    expected, actual = run_both(build)
     for e, a in zip(expected, actual):
         same(e[0], a[0])
         assert e[1:] == a[1:]
@@ -119,11 +115,7 @@ def test_a_leaf_that_stopped_requiring_grad_gets_none(built, monkeypatch, path):
             grads.append((a.grad.clone(), b.grad))
         return grads
 
-    torch.manual_seed(0)
-    expected = build()
-    torch.manual_seed(0)
-    with cagrad.enable("eager"):
-        actual = build()
+    expected, actual = run_both(build)
     for (ea, eb), (aa, ab) in zip(expected, actual):
         same(ea, aa)
         assert eb is None and ab is None
