@@ -301,8 +301,9 @@ def _self_test(accumulate: Any, stealable: Any) -> None:
             (torch.nn.Parameter(torch.zeros(4, 6)), base.to_sparse(), True, None),
         ]
 
-    ours, theirs = cases(), cases()
-    with torch.no_grad():
+    with torch.inference_mode(False):  # the first backward may run under inference_mode
+        ours, theirs = cases(), cases()
+    with torch.inference_mode(False), torch.no_grad():
         for leaf, _, _, old in ours + theirs:
             leaf.grad = old.clone() if old is not None else None
         left = accumulate([c[0] for c in ours], [c[1] for c in ours], [c[2] for c in ours])

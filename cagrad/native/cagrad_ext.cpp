@@ -603,8 +603,9 @@ static int accumulate_one(PyObject* var_obj, PyObject* grad_obj, bool stealable,
   }
   if (variable.layout() != c10::kStrided || grad.layout() != c10::kStrided || variable.is_nested() ||
       grad.is_nested() || grad.requires_grad() || grad.scalar_type() != variable.scalar_type() ||
-      grad.device() != variable.device() || !grad.sizes().equals(variable.sizes())) {
-    return 0;
+      grad.device() != variable.device() || !grad.sizes().equals(variable.sizes()) ||
+      variable.unsafeGetTensorImpl()->is_python_dispatch() || grad.unsafeGetTensorImpl()->is_python_dispatch()) {
+    return 0;  // another case, or a tensor whose ops Python handles (__torch_dispatch__)
   }
   at::Tensor& old = variable.mutable_grad();
   if (!old.defined()) {
@@ -621,7 +622,7 @@ static int accumulate_one(PyObject* var_obj, PyObject* grad_obj, bool stealable,
     return 1;
   }
   if (old.layout() != c10::kStrided || old.is_nested() || old.scalar_type() != grad.scalar_type() ||
-      old.device() != grad.device()) {
+      old.device() != grad.device() || old.unsafeGetTensorImpl()->is_python_dispatch()) {
     return 0;
   }
   pending.add_to.push_back(old);
