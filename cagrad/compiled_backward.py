@@ -539,7 +539,7 @@ def _use_cuda_graphs(entry: CompiledEntry, create_graph: bool, compiler_fn: Any)
     elif entry.fn is not None and not isinstance(entry.fn, cuda_graphs.CudaGraphed):
         name = compiler_fn if isinstance(compiler_fn, str) else None
         warmup = specialize.HOT_CALLS if specialize.wanted(name) else 1
-        entry.fn = cuda_graphs.CudaGraphed(entry.fn, warmup)
+        entry.fn = cuda_graphs.CudaGraphed(entry.fn, warmup, cuda_graphs.unread_host_inputs(entry.traced.graph_module))
 
 
 def _wants_reason() -> bool:

@@ -20,9 +20,21 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   reads in place and replayed only while every one of them holds (a tensor
   alive at that address is the input itself, so the graph reads the right
   data). A call that matches no graph records one, so a loop whose
-  addresses settle after a few steps, or alternate between two patterns,
-  replays without copies; calls where nothing is where it was share the
-  graph that copies every input but the parameters;
+  addresses settle after a few steps replays without copies; a call whose
+  best graph copies inputs that are at the address they had two calls ago
+  records one more that reads them in place, so a loop whose allocator
+  alternates between two layouts (one step's ``.grad`` copies taking blocks
+  the next forward would have used) gets a graph per layout; calls where
+  nothing is where it was share the graph that copies every input but the
+  parameters;
+* small CPU inputs (at most :data:`MAX_HOST_VALUES` elements: the philox
+  seed and offset an attention backward takes, a CPU scalar operand) are
+  read on the host when a kernel is launched, so a recorded graph holds the
+  values it was recorded with: their dtype, shape and values are part of the
+  graph's key (a call with other values records another graph, up to the
+  bound), and they are copied into host buffers the graph owns before each
+  replay, so that a copy from host memory captured in the graph reads live
+  memory holding those values;
 * outputs live in the graph's pool and are overwritten by the next replay,
   so they are *borrowed* (:class:`BorrowedOutputs`): the caller copies each
   before the next backward (:func:`cagrad.run.runtime.finish_whole` accumulates
@@ -30,8 +42,8 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
 
 Where a graph would not be safe the call runs ``fn`` directly, and the
 reason is logged once per entry and counted in
-``cagrad.counters["cudagraph_skips"]`` and ``["cudagraph_skip_reasons"]``: an input not on CUDA (a graph cannot read host
-memory on replay), more than :data:`MAX_GRAPHS` graphs for one entry (sizes
+``cagrad.counters["cudagraph_skips"]`` and ``["cudagraph_skip_reasons"]``: an input on the host that is
+not a small CPU tensor, or only host inputs (``cpu_input``), more than :data:`MAX_GRAPHS` graphs for one entry (sizes
 that keep changing; one graph per tuple of sizes and parameter addresses),
 or a capture that raised (an op that synchronizes with the host, say).
 Backwards that are cut into segments by opaque calls, and ``create_graph``
@@ -46,6 +58,7 @@ copy new data into them, replay) with the static-input split that
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,18 +108,132 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
 
 
 class _Recorded:
-    __slots__ = ("graph", "buffers", "static", "outputs")
+    __slots__ = ("graph", "buffers", "static", "outputs", "copies_device")
 
-    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list) -> None:
+    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list, copies_device: bool) -> None:
         self.graph = graph
         self.buffers = buffers  # per input: the buffer the graph reads, None if in place
         self.static = static  # per input: read in place
         self.outputs = outputs
+        self.copies_device = copies_device  # some CUDA input is copied before each replay
 
 
-def _key(size_key: tuple, addresses: list[int], mask: list[bool]) -> tuple:
-    """A graph's key: the sizes, and the addresses it reads in place."""
-    return size_key, tuple(a if s else None for a, s in zip(addresses, mask))
+class _Mask:
+    """Which inputs some graph reads in place, and a C-level reader of their
+    addresses (a graph's key holds exactly those)."""
+
+    __slots__ = ("static", "picks", "count")
+
+    def __init__(self, static: list[bool]) -> None:
+        self.static = tuple(static)
+        at = [i for i, s in enumerate(static) if s]
+        self.count = len(at)
+        if len(at) >= 2:
+            self.picks: Callable[[list[int]], tuple] = operator.itemgetter(*at)
+        elif at:
+            self.picks = lambda addresses, i=at[0]: (addresses[i],)
+        else:
+            self.picks = lambda addresses: ()
+
+
+MAX_HOST_VALUES = 8
+"""Most elements a host (CPU) input of a CUDA-graphed backward may have: its
+values are part of the graph's key and compared on every call."""
+
+
+def _host_inputs_ok(inputs: list, host: list[int]) -> bool:
+    """Whether a graph with these host inputs (positions) may be recorded:
+    some input is on CUDA (there is GPU work to replay) and every host input
+    is a small dense CPU tensor (read by value, :func:`_host_key`)."""
+    return len(host) < len(inputs) and all(
+        inputs[i].device.type == "cpu" and inputs[i].layout == torch.strided and inputs[i].numel() <= MAX_HOST_VALUES
+        for i in host
+    )
+
+
+# arguments that carry a random-number generator's state into an op, read
+# by its kernels only when the op's dropout_p is not 0 (the attention
+# backwards: _scaled_dot_product_{flash,efficient,cudnn}_attention_backward,
+# _flash_attention_backward, _efficient_attention_backward)
+_RNG_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
+
+
+def unread_host_inputs(graph_module: torch.fx.GraphModule) -> frozenset[int]:
+    """Positions ``j`` of the graph inputs (``inputs[j]``) whose values no
+    kernel reads: inputs the graph does not use, and inputs passed (directly
+    or through ``detach``/``alias``) only as the RNG state of ops whose
+    ``dropout_p`` argument is the constant 0. A transformer's attention
+    backward takes a philox seed and offset that change at every forward even
+    without dropout; leaving them out of a graph's key is what lets such a
+    backward replay. The op schemas name the arguments, so the rule holds
+    for any op with these argument names."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return frozenset()
+    unread = set()
+    for node in placeholders[0].users:
+        if node.op == "call_function" and node.target is operator.getitem and type(node.args[1]) is int:
+            if _only_unread_rng_state(node):
+                unread.add(node.args[1])
+    return frozenset(unread)
+
+
+def _only_unread_rng_state(node: torch.fx.Node) -> bool:
+    for user in node.users:
+        if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+            return False
+        if user.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            if not _only_unread_rng_state(user):
+                return False
+            continue
+        names = [a.name for a in user.target._schema.arguments]
+        bound = dict(zip(names, user.args))
+        bound.update(user.kwargs)
+        dropout_p = bound.get("dropout_p")
+        if type(dropout_p) not in (int, float) or dropout_p != 0:
+            return False
+        as_rng = [name for name, value in bound.items() if value is node]
+        if not as_rng or _count_uses(user, node) != len(as_rng) or any(name not in _RNG_ARGUMENTS for name in as_rng):
+            return False
+    return True
+
+
+def _count_uses(user: torch.fx.Node, node: torch.fx.Node) -> int:
+    """How many times ``node`` appears in ``user``'s arguments (in lists too)."""
+    count = 0
+
+    def visit(n: torch.fx.Node) -> torch.fx.Node:
+        nonlocal count
+        count += n is node
+        return n
+
+    torch.fx.node.map_arg((user.args, user.kwargs), visit)
+    return count
+
+
+def _host_key(t: torch.Tensor) -> tuple:
+    """A host input's part of a graph's key: dtype, shape and values (a NaN
+    never equals itself, so such a call records a graph of its own until the
+    bound, then runs without one)."""
+    return t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist())
+
+
+def _params(inputs: list) -> list[bool]:
+    """Which inputs are parameters (CUDA leaves that require grad): always
+    read in place."""
+    return [t.is_cuda and t.is_leaf and t.requires_grad for t in inputs]
+
+
+def _in_place(inputs: list, params: list[bool], addresses: list[int], earlier: list[int] | None) -> list[bool]:
+    """Which inputs a new graph reads in place: parameters, and CUDA inputs
+    at the address they had in the ``earlier`` call."""
+    earlier = earlier or [None] * len(inputs)
+    return [t.is_cuda and (p or a == b) for t, p, a, b in zip(inputs, params, addresses, earlier)]
+
+
+def _key(size_key: tuple, addresses: list[int], mask: _Mask) -> tuple:
+    """A graph's key: the sizes (and host values), and the addresses it reads in place."""
+    return size_key, mask.static, mask.picks(addresses)
 
 
 class CudaGraphed:
@@ -119,15 +246,18 @@ class CudaGraphed:
     list otherwise. Exceptions of ``fn`` itself pass through.
     """
 
-    __slots__ = ("fn", "graphs", "seen", "masks", "disabled", "warmup_calls")
+    __slots__ = ("fn", "graphs", "seen", "masks", "disabled", "warmup_calls", "unread", "host")
 
-    def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1) -> None:
+    def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1, unread: frozenset[int] = frozenset()) -> None:
         self.fn = fn
+        self.unread = unread  # inputs whose values no kernel reads (unread_host_inputs)
+        self.host: list[int] | None = None  # positions of the inputs on the host, from the first call
         self.graphs: dict[tuple, _Recorded] = {}
-        # per tuple of sizes: calls so far and the input addresses of the last
-        self.seen: dict[tuple, tuple[int, list[int]]] = {}
-        # per tuple of sizes: which inputs each of its graphs reads in place
-        self.masks: dict[tuple, list[list[bool]]] = {}
+        # per tuple of sizes: calls so far and the input addresses of the
+        # last call and of the one before it
+        self.seen: dict[tuple, tuple[int, Any, Any]] = {}
+        # per tuple of sizes and host values: which inputs each of its graphs reads in place
+        self.masks: dict[tuple, list[_Mask]] = {}
         self.disabled: str | None = None
         self.warmup_calls = warmup_calls
 
@@ -143,42 +273,78 @@ class CudaGraphed:
         if scalars or hooks or packed:
             self._disable("inputs_beyond_tensors_and_sizes")
             return self(inputs, sizes, scalars, hooks, packed)
-        if any(not t.is_cuda for t in inputs):
+        host = self.host
+        if host is None:
+            # which inputs are on the host is fixed by the cache key (it
+            # holds every lifted tensor's device): read once
+            host = self.host = [i for i, t in enumerate(inputs) if not t.is_cuda]
+        if host and not _host_inputs_ok(inputs, host):
             self._disable("cpu_input")
             return self(inputs, sizes, scalars, hooks, packed)
-        size_key = tuple(sizes)
         addresses = [t.data_ptr() for t in inputs]
-        calls, last = self.seen.get(size_key, (0, None))
-        self.seen[size_key] = (calls + 1, addresses)
+        calls, last, before_last = self.seen.get(tuple(sizes), (0, None, None))
+        self.seen[tuple(sizes)] = (calls + 1, addresses, last)
+        # small host tensors (a CPU scalar operand) are part of the key by
+        # value: a replay uses the values recorded (the warm-up, for the
+        # backend's lazy compile, is per tuple of sizes)
+        size_key = tuple(sizes)
+        if host:
+            size_key = (size_key, tuple(_host_key(inputs[i]) for i in host if i not in self.unread))
         # a graph's key holds exactly the addresses its mask reads in place,
-        # so trying each mask recorded at these sizes finds any graph that fits
+        # so trying each mask recorded at these sizes (most inputs read in
+        # place first) finds the best graph that fits
         masks = self.masks.setdefault(size_key, [])
+        recorded = None
         for mask in masks:
             recorded = self.graphs.get(_key(size_key, addresses, mask))
             if recorded is not None:
                 break
-        else:
+        if recorded is None:
+            params = _params(inputs)
             if calls < self.warmup_calls:
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
             if len(self.graphs) >= MAX_GRAPHS:
                 counters.record_cudagraph_skip("too_many_graphs")
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
-            params = [t.is_leaf and t.requires_grad for t in inputs]
             # read in place: parameters, and inputs at the address they had
-            # in the previous call (else the graph copies them)
-            static = [p or a == b for p, a, b in zip(params, addresses, last or [None] * len(inputs))]
-            try:
-                recorded = self._record(inputs, sizes, static, params)
-            except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
-                self._disable(f"capture_failed: {type(e).__name__}: {e}")
-                return self(inputs, sizes, scalars, hooks, packed)
-            self.graphs[_key(size_key, addresses, recorded.static)] = recorded
-            if recorded.static not in masks:
-                masks.append(recorded.static)
-            return self._replay(recorded)
+            # in the previous call (else the graph copies them); host inputs
+            # are always copied into buffers the graph owns, so that what it
+            # reads on replay (a captured copy from host memory) stays alive
+            # and holds the keyed values
+            static = _in_place(inputs, params, addresses, last)
+            return self._record_and_replay(inputs, sizes, scalars, hooks, packed, size_key, addresses, static, params)
+        if recorded.copies_device and before_last is not None and len(self.graphs) < MAX_GRAPHS:
+            # the graph that fits copies inputs; where they are at the address
+            # they had two calls ago (the caching allocator alternating between
+            # two layouts, step after step), a graph of its own reads them in
+            # place from the next call of this layout on
+            params = _params(inputs)
+            better = _in_place(inputs, params, addresses, before_last)
+            better = [s or b for s, b in zip(recorded.static, better)]
+            if sum(better) > sum(recorded.static):
+                return self._record_and_replay(
+                    inputs, sizes, scalars, hooks, packed, size_key, addresses, better, params
+                )
         for t, buf, s in zip(inputs, recorded.buffers, recorded.static):
             if not s:
                 buf.copy_(t)
+        return self._replay(recorded)
+
+    def _record_and_replay(
+        self, inputs: list, sizes: list, scalars: list, hooks: list, packed: list, size_key: tuple,
+        addresses: list[int], static: list[bool], params: list[bool],
+    ) -> list:
+        try:
+            recorded = self._record(inputs, sizes, static, params)
+        except Exception as e:  # noqa: BLE001 - the graph is optional; fn itself still runs
+            self._disable(f"capture_failed: {type(e).__name__}: {e}")
+            return self(inputs, sizes, scalars, hooks, packed)
+        mask = _Mask(recorded.static)
+        self.graphs[_key(size_key, addresses, mask)] = recorded
+        masks = self.masks[size_key]
+        if all(m.static != mask.static for m in masks):
+            masks.append(mask)
+            masks.sort(key=lambda m: m.count, reverse=True)
         return self._replay(recorded)
 
     def _replay(self, recorded: _Recorded) -> BorrowedOutputs:
@@ -221,7 +387,8 @@ class CudaGraphed:
             del outputs, graph
             return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
-        return _Recorded(graph, buffers, static, outputs)
+        copies_device = any(t.is_cuda and not s for t, s in zip(inputs, static))
+        return _Recorded(graph, buffers, static, outputs, copies_device)
 
 
-__all__ = ["MAX_GRAPHS", "BorrowedOutputs", "CudaGraphed", "check_mode", "unsafe_reason"]
+__all__ = ["MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]

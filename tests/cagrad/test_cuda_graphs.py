@@ -9,6 +9,7 @@ kept across replays."""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -99,6 +100,95 @@ def test_a_backward_with_a_traced_hook_is_one_graph() -> None:
         model[2](torch.tanh(h)).sum().backward()
     assert cagrad.counters["hooks_traced"] == 1
     assert cagrad.counters["cudagraph_skip_reasons"] == {"cpu_input": 1}
+
+
+class _Scale(nn.Module):
+    """``x * s`` with ``s`` a 0-dim CPU tensor: MulBackward0 saves it, so the
+    backward graph has a CPU input whose value its kernels read on launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 12, device="cuda").reshape(3, 4))
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return ((x @ self.w) * s).sin().sum()
+
+
+@cuda
+def test_small_cpu_inputs_are_recorded_by_value() -> None:
+    """A graph with a CPU scalar input is recorded per value of it and
+    replayed only at that value; gradients stay eager's at every step."""
+    values = [2.0, 2.0, 2.0, 3.0, 3.0, 2.0, 3.0, 2.0]
+    model = _Scale()
+    for v in values:
+        x = torch.randn(5, 3, device="cuda")
+        s = torch.tensor(v)
+        model.zero_grad(set_to_none=True)
+        model(x, s).backward()
+        expected = model.w.grad.clone()
+        model.zero_grad(set_to_none=True)
+        with cagrad.enable("eager", mode="reduce-overhead"):
+            model(x, s).backward()
+        torch.testing.assert_close(model.w.grad, expected, rtol=0, atol=0)
+    assert cagrad.counters["cudagraph_records"] == 2, dict(cagrad.counters)
+    assert cagrad.counters["cudagraph_replays"] >= 5
+    assert "cpu_input" not in cagrad.counters["cudagraph_skip_reasons"]
+
+
+@cuda
+def test_cpu_inputs_that_keep_changing_reach_the_bound_and_stay_right() -> None:
+    model = _Scale()
+    for i in range(2 * cuda_graphs.MAX_GRAPHS + 4):
+        x = torch.randn(5, 3, device="cuda")
+        s = torch.tensor(1.0 + i / 8)
+        model.zero_grad(set_to_none=True)
+        model(x, s).backward()
+        expected = model.w.grad.clone()
+        model.zero_grad(set_to_none=True)
+        with cagrad.enable("eager", mode="reduce-overhead"):
+            model(x, s).backward()
+        torch.testing.assert_close(model.w.grad, expected, rtol=0, atol=0)
+    assert cagrad.counters["cudagraph_records"] == cuda_graphs.MAX_GRAPHS
+    assert cagrad.counters["cudagraph_skip_reasons"]["too_many_graphs"] >= 1
+
+
+@cuda
+def test_a_transformer_layer_without_dropout_replays() -> None:
+    """Its attention backward takes a CPU philox seed and offset that change
+    at every forward; unread without dropout, they do not stop replays."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).cuda()
+    for _ in range(6):
+        x = torch.randn(4, 16, 64, device="cuda")
+        grads = []
+        for use_cagrad in (False, True):
+            layer.zero_grad(set_to_none=True)
+            loss = layer(x).square().mean()
+            if use_cagrad:
+                with cagrad.enable("eager", mode="reduce-overhead"):
+                    loss.backward()
+            else:
+                loss.backward()
+            grads.append([p.grad.clone() for p in layer.parameters()])
+        for expected, got in zip(*grads):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert cagrad.counters["cudagraph_replays"] >= 3, dict(cagrad.counters)
+    assert not cagrad.counters["cudagraph_skip_reasons"], dict(cagrad.counters["cudagraph_skip_reasons"])
+
+
+@cuda
+def test_a_larger_cpu_input_is_not_recorded() -> None:
+    """A branch computed on the CPU saves CPU tensors of more than
+    MAX_HOST_VALUES elements: the backward runs without a graph, counted."""
+    w_cuda = torch.randn(3, 4, device="cuda", requires_grad=True)
+    w_cpu = torch.randn(3, 4, requires_grad=True)
+    for _ in range(3):
+        x = torch.randn(5, 3, device="cuda")
+        loss = (x @ w_cuda).sum() + (x.cpu() @ w_cpu).sin().sum().cuda()
+        with cagrad.enable("eager", mode="reduce-overhead"):
+            loss.backward()
+    assert cagrad.counters["cudagraph_records"] == 0
+    assert cagrad.counters["cudagraph_skip_reasons"]["cpu_input"] >= 1
 
 
 @cuda
@@ -243,8 +333,29 @@ def test_inputs_at_stable_addresses_are_read_in_place_and_a_moved_one_is_copied(
         for g, e in zip(got, _fn([a2, b2], [], [], [], [])):
             torch.testing.assert_close(g, e)
         del keep
-    assert len(graphed.graphs) == 2  # the in-place graph and the copying one
-    assert cagrad.counters["cudagraph_records"] == 2
+    # the in-place graph and the copying one (and maybe one for a layout the
+    # allocator repeated two calls apart)
+    graphs = list(graphed.graphs.values())
+    assert graphs[0].static == [True, True] and graphs[1].static == [False, False]
+    assert len(graphs) <= 3 and cagrad.counters["cudagraph_records"] == len(graphs)
+
+
+@cuda
+def test_inputs_that_alternate_between_two_addresses_get_a_graph_each() -> None:
+    """A caching allocator that alternates between two layouts step after
+    step (seen on the H100 for a chain of 200 ops): after the copying graph,
+    each layout gets a graph that reads its inputs in place."""
+    graphed = cuda_graphs.CudaGraphed(_fn)
+    layouts = [[torch.randn(64, 32, device="cuda") for _ in range(2)] for _ in range(2)]
+    for step in range(10):
+        inputs = layouts[step % 2]
+        for t in inputs:
+            t.normal_()  # new data at the same address
+        got = [t.clone() for t in graphed(list(inputs), [], [], [], [])]
+        for g, e in zip(got, _fn(list(inputs), [], [], [], [])):
+            torch.testing.assert_close(g, e)
+    assert sorted(map(sum, (r.static for r in graphed.graphs.values()))) == [0, 2, 2]
+    assert cagrad.counters["cudagraph_replays"] == 9
 
 
 @cuda
@@ -263,3 +374,31 @@ def test_an_output_that_is_an_input_is_never_read_in_place() -> None:
     out = graphed([a, b], [], [], [], [])
     torch.testing.assert_close(out[0], a)
     torch.testing.assert_close(out[1], b * 3)
+
+
+def _attention_backward_graph(dropout_p: float, seed_also_added: bool = False) -> torch.fx.GraphModule:
+    """A graph shaped like cagrad's: ``inputs[j]`` reads, an efficient-attention
+    backward taking inputs 4 and 5 (through ``detach``) as its philox seed and
+    offset, and input 6 unused."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    inputs = g.placeholder("inputs")
+    for name in ("sizes", "scalars", "hooks", "packed_inputs"):
+        g.placeholder(name)
+    read = [g.call_function(operator.getitem, (inputs, j)) for j in range(7)]
+    seed = g.call_function(aten.detach.default, (read[4],))
+    args = (read[0], read[1], read[2], read[3], None, read[3], read[1], seed, read[5], dropout_p, [True, True, True, False])
+    out = g.call_function(aten._scaled_dot_product_efficient_attention_backward.default, args)
+    results = [g.call_function(operator.getitem, (out, 0))]
+    if seed_also_added:
+        results.append(g.call_function(aten.add.Tensor, (read[0], read[4])))
+    g.output(results)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_the_rng_state_of_a_dropout_free_attention_backward_is_left_out_of_the_key() -> None:
+    """Philox seed and offset change at every forward; with dropout_p 0 no
+    kernel reads them, so they are not part of a graph's key."""
+    assert cuda_graphs.unread_host_inputs(_attention_backward_graph(0.0)) == {4, 5, 6}
+    assert cuda_graphs.unread_host_inputs(_attention_backward_graph(0.1)) == {6}
+    assert cuda_graphs.unread_host_inputs(_attention_backward_graph(0.0, seed_also_added=True)) == {5, 6}
