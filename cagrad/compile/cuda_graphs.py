@@ -293,19 +293,18 @@ class CudaGraphed:
         # a graph's key holds exactly the addresses its mask reads in place,
         # so trying each mask recorded at these sizes (most inputs read in
         # place first) finds the best graph that fits
-        masks = self.masks.setdefault(size_key, [])
         recorded = None
-        for mask in masks:
+        for mask in self.masks.get(size_key, ()):
             recorded = self.graphs.get(_key(size_key, addresses, mask))
             if recorded is not None:
                 break
         if recorded is None:
-            params = _params(inputs)
             if calls < self.warmup_calls:
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
             if len(self.graphs) >= MAX_GRAPHS:
                 counters.record_cudagraph_skip("too_many_graphs")
                 return list(self.fn(inputs, sizes, scalars, hooks, packed))
+            params = _params(inputs)
             # read in place: parameters, and inputs at the address they had
             # in the previous call (else the graph copies them); host inputs
             # are always copied into buffers the graph owns, so that what it
@@ -341,7 +340,7 @@ class CudaGraphed:
             return self(inputs, sizes, scalars, hooks, packed)
         mask = _Mask(recorded.static)
         self.graphs[_key(size_key, addresses, mask)] = recorded
-        masks = self.masks[size_key]
+        masks = self.masks.setdefault(size_key, [])
         if all(m.static != mask.static for m in masks):
             masks.append(mask)
             masks.sort(key=lambda m: m.count, reverse=True)

@@ -633,6 +633,22 @@ static int accumulate_one(PyObject* var_obj, PyObject* grad_obj, bool stealable,
 #endif
 }
 
+// Whether two of the tensors have one storage.
+static bool shares_storage(const std::vector<at::Tensor>& tensors) {
+  std::vector<const void*> seen;
+  seen.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    const void* impl = t.storage().unsafeGetStorageImpl();
+    for (const void* other : seen) {
+      if (other == impl) {
+        return true;
+      }
+    }
+    seen.push_back(impl);
+  }
+  return false;
+}
+
 // accumulate(variables, grads, stealable) -> list: accumulate_one for each
 // (variables[i], grads[i], stealable[i]) (three lists of one length), grad
 // mode off, then the queued copies and sums; returns the indices it left to
@@ -666,7 +682,16 @@ static PyObject* accumulate(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     }
     copies_done = true;
     if (!pending.add_to.empty()) {
-      at::_foreach_add_(pending.add_to, pending.add_from);
+      if (shares_storage(pending.add_to)) {
+        // two leaves with one .grad storage (a user's assignment): one
+        // kernel would add into it concurrently; one add after the other,
+        // as the engine does
+        for (size_t k = 0; k < pending.add_to.size(); ++k) {
+          pending.add_to[k].add_(pending.add_from[k]);
+        }
+      } else {
+        at::_foreach_add_(pending.add_to, pending.add_from);
+      }
     }
   } catch (const std::exception& e) {
     // no leaf keeps an uninitialized .grad: where the copies did not run,

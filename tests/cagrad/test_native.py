@@ -119,3 +119,28 @@ def test_a_leaf_that_stopped_requiring_grad_gets_none(built, monkeypatch, path):
     for (ea, eb), (aa, ab) in zip(expected, actual):
         same(ea, aa)
         assert eb is None and ab is None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_two_leaves_with_one_grad_tensor_get_both_gradients(built, device):
+    """``a.grad`` and ``b.grad`` are one tensor (a user's assignment): eager
+    adds each gradient into it in turn; one multi-tensor kernel would add both
+    at once (a race on CUDA), so cagrad adds them one after the other."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def build():
+        a = torch.randn(256, 64, device=device, requires_grad=True)
+        b = torch.randn(256, 64, device=device, requires_grad=True)
+        out = []
+        for _ in range(2):  # the second backward is a guarded hit
+            shared = torch.ones(256, 64, device=device)
+            a.grad = b.grad = shared
+            (a.sin() * b.cos()).sum().backward()
+            out.append((shared.clone(), a.grad is shared and b.grad is shared))
+        return out
+
+    expected, actual = run_both(build)
+    for (e, e_same), (a, a_same) in zip(expected, actual):
+        same(e, a)
+        assert e_same and a_same
