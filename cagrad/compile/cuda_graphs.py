@@ -35,10 +35,18 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   bound), and they are copied into host buffers the graph owns before each
   replay, so that a copy from host memory captured in the graph reads live
   memory holding those values;
-* outputs live in the graph's pool and are overwritten by the next replay,
-  so they are *borrowed* (:class:`BorrowedOutputs`): the caller copies each
-  before the next backward (:func:`cagrad.run.runtime.finish_whole` accumulates
-  them without stealing and clones ``autograd.grad`` results).
+* outputs live in the graph's pool and are overwritten by the next replay.
+  They are handed out as aliases (``detach()``), which the caller may keep
+  as ``.grad`` like any fresh gradient: before the next replay,
+  :func:`cagrad.native.reclaim_fn` checks them; a dead one costs nothing
+  (a loop that sets ``.grad`` to None each step copies nothing, and uses no
+  memory beyond the graph's pool), a live one (a ``.grad`` kept to
+  accumulate into) is moved to memory of its own, and one that a view made
+  by the user shares cannot be moved: that call runs without the graph
+  (``outputs_alive``). Where the extension is not built the outputs are
+  *borrowed* (:class:`BorrowedOutputs`) and copied instead
+  (:func:`cagrad.run.runtime.finish_whole` accumulates them without stealing
+  and clones ``autograd.grad`` results).
 
 Where a graph would not be safe the call runs ``fn`` directly, and the
 reason is logged once per entry and counted in
@@ -64,6 +72,7 @@ from typing import Any
 
 import torch
 
+from .. import native
 from ..counters import counters
 
 log = logging.getLogger("cagrad.cuda_graphs")
@@ -108,7 +117,7 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
 
 
 class _Recorded:
-    __slots__ = ("graph", "buffers", "static", "outputs", "copies_device")
+    __slots__ = ("graph", "buffers", "static", "outputs", "copies_device", "handed")
 
     def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list, copies_device: bool) -> None:
         self.graph = graph
@@ -116,6 +125,7 @@ class _Recorded:
         self.static = static  # per input: read in place
         self.outputs = outputs
         self.copies_device = copies_device  # some CUDA input is copied before each replay
+        self.handed: list | None = None  # aliases of the outputs handed out after the last replay
 
 
 class _Mask:
@@ -327,7 +337,7 @@ class CudaGraphed:
         for t, buf, s in zip(inputs, recorded.buffers, recorded.static):
             if not s:
                 buf.copy_(t)
-        return self._replay(recorded)
+        return self._replay(recorded, inputs, sizes)
 
     def _record_and_replay(
         self, inputs: list, sizes: list, scalars: list, hooks: list, packed: list, size_key: tuple,
@@ -344,12 +354,27 @@ class CudaGraphed:
         if all(m.static != mask.static for m in masks):
             masks.append(mask)
             masks.sort(key=lambda m: m.count, reverse=True)
-        return self._replay(recorded)
+        return self._replay(recorded, inputs, sizes)
 
-    def _replay(self, recorded: _Recorded) -> BorrowedOutputs:
+    def _replay(self, recorded: _Recorded, inputs: list, sizes: list) -> list:
+        """Replays ``recorded``; its outputs are handed out as aliases that
+        the next replay reclaims (:func:`cagrad.native.reclaim_fn`): a caller
+        may keep them (as ``.grad``) like any fresh outputs. Where the
+        extension is not built they are :class:`BorrowedOutputs` instead; and
+        where an earlier alias cannot be reclaimed (a view of it lives), this
+        call runs ``fn`` without the graph (counted as ``outputs_alive``)."""
+        reclaim = native.reclaim_fn()
+        if reclaim is None:
+            recorded.graph.replay()
+            counters.bump("cudagraph_replays")
+            return BorrowedOutputs(recorded.outputs)
+        if recorded.handed is not None and not reclaim(recorded.handed, recorded.outputs):
+            counters.record_cudagraph_skip("outputs_alive")
+            return list(self.fn(inputs, list(sizes), [], [], []))
         recorded.graph.replay()
         counters.bump("cudagraph_replays")
-        return BorrowedOutputs(recorded.outputs)
+        recorded.handed = [o.detach() if isinstance(o, torch.Tensor) else o for o in recorded.outputs]
+        return list(recorded.handed)
 
     def _record(
         self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool], params: list[bool]

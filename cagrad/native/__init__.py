@@ -15,6 +15,9 @@ on first need) provides:
   tensor's metadata compared against one packed integer, sizes appended to
   the guard's value list; tuples of ints and ints appended the same way;
   the order of a tuple of nodes' sequence numbers.
+* ``reclaim(handed, owners)``: before a CUDA graph replays into the memory
+  of its outputs, what was handed out of it after the last replay is dead or
+  moved to new memory (:func:`reclaim_fn`);
 * ``accumulate(variables, grads, stealable)``: eager's ``AccumulateGrad``
   for plain dense leaves and gradients with grad mode off (the case of every
   backward without ``create_graph``), see :func:`accumulate_fn`; and
@@ -67,6 +70,7 @@ class Native:
     metadata: MetadataReaders | None
     accumulate: Callable[[list, list, list], list]
     stealable: Callable[[list, list], list]
+    reclaim: Callable[[list, list], bool] | None
 
 
 _lock = threading.Lock()
@@ -108,7 +112,13 @@ def _load() -> Native | None:
     except Exception as e:  # noqa: BLE001  (guards read the metadata in Python then)
         metadata = None
         log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", e)
-    return Native(module.counts, module.release, metadata, module.accumulate, module.stealable)
+    reclaim = None
+    try:
+        self_tests.reclaim(module.reclaim)
+        reclaim = module.reclaim
+    except Exception as e:  # noqa: BLE001  (CUDA graphs copy their outputs then)
+        log.warning("cagrad's C++ reclaim of CUDA-graph outputs failed its self-test (%s); outputs are copied", e)
+    return Native(module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim)
 
 
 def metadata_fns() -> MetadataReaders | None:
@@ -174,3 +184,24 @@ def accumulate_fns() -> tuple[Callable[[list, list, list], list], Callable[[list
     """
     native = load()
     return (native.accumulate, native.stealable) if native is not None else None
+
+
+def reclaim_fn() -> Callable[[list, list], bool] | None:
+    """The C++ ``reclaim(handed, owners) -> bool``, or None if unavailable
+    (then :mod:`cagrad.compile.cuda_graphs` hands out no memory of a graph).
+
+    ``handed[i]`` is an alias (``detach()``) of a CUDA graph's output
+    ``owners[i]`` handed out after its last replay. Each alias that only the
+    list refers to is dead; each live one (a leaf's ``.grad``) gets a copy of
+    its data in new memory through ``set_`` on its own TensorImpl, which every
+    holder sees. Returns False, and moves no more, where a live alias's memory
+    is also held by a tensor outside the two lists (a view made of it): the
+    graph must not replay then.
+
+    Raises (the returned function):
+        TypeError: not two lists of one length (items that are not tensors
+            are skipped).
+        RuntimeError: torch's, from the copy.
+    """
+    native = load()
+    return native.reclaim if native is not None else None

@@ -19,6 +19,7 @@
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 #include <memory>
@@ -765,7 +766,71 @@ static PyObject* stealable(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// reclaim(handed, owners) -> bool: before a CUDA graph replays into its
+// output memory, frees that memory of the aliases handed out after its last
+// replay (handed[i] aliases owners[i], the graph's own output tensor). An
+// alias that only the list `handed` refers to is dead. A live one (a leaf's
+// .grad, say) is moved out: its TensorImpl gets a copy of the data in new
+// memory (set_), which every holder of it sees. Returns False, moving
+// nothing more, where a live alias's memory is also held by a tensor not in
+// the two lists (a view the user made of a .grad): the caller must not
+// replay then.
+static PyObject* reclaim(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+      PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "reclaim(handed: list, owners: list), one length");
+    return nullptr;
+  }
+  Py_ssize_t n = PyList_GET_SIZE(args[0]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* h = PyList_GET_ITEM(args[0], i);
+    PyObject* o = PyList_GET_ITEM(args[1], i);
+    if (!is_tensor_type(reinterpret_cast<PyObject*>(Py_TYPE(h))) ||
+        !is_tensor_type(reinterpret_cast<PyObject*>(Py_TYPE(o)))) {
+      continue;  // an output that is not a tensor holds no memory
+    }
+    const at::Tensor& handed = tensor_of(h);
+    const at::Tensor& owner = tensor_of(o);
+    if (!handed.defined() || !handed.has_storage() || !owner.has_storage() ||
+        handed.storage().unsafeGetStorageImpl() != owner.storage().unsafeGetStorageImpl()) {
+      continue;  // moved already, or given other memory: holds none of the graph's
+    }
+    if (Py_REFCNT(h) == 1 && handed.use_count() == 1) {
+      continue;  // dead: only the list refers to it
+    }
+    // live: every tensor over this memory must be one of ours
+    const c10::StorageImpl* memory = handed.storage().unsafeGetStorageImpl();
+    std::vector<const c10::TensorImpl*> known;
+    for (Py_ssize_t j = 0; j < n; ++j) {
+      for (PyObject* obj : {PyList_GET_ITEM(args[0], j), PyList_GET_ITEM(args[1], j)}) {
+        if (!is_tensor_type(reinterpret_cast<PyObject*>(Py_TYPE(obj)))) {
+          continue;
+        }
+        const at::Tensor& t = tensor_of(obj);
+        if (t.defined() && t.has_storage() && t.storage().unsafeGetStorageImpl() == memory &&
+            std::find(known.begin(), known.end(), t.unsafeGetTensorImpl()) == known.end()) {
+          known.push_back(t.unsafeGetTensorImpl());
+        }
+      }
+    }
+    if (handed.storage().use_count() != known.size()) {
+      Py_RETURN_FALSE;
+    }
+    try {
+      at::NoGradGuard no_grad;
+      at::Tensor fresh = at::empty_strided(handed.sizes(), handed.strides(), handed.options());
+      fresh.copy_(handed);
+      handed.set_(fresh);
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"reclaim", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reclaim)), METH_FASTCALL, nullptr},
     {"stealable", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stealable)), METH_FASTCALL, nullptr},
     {"ints", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ints)), METH_FASTCALL, nullptr},
     {"int_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(int_)), METH_FASTCALL, nullptr},

@@ -139,3 +139,19 @@ def _order(order: Any) -> None:
         raise RuntimeError(f"order() misreads sequence numbers {seq}")
     if not order((nodes[1], nodes[1]), b"=") or order((nodes[1], nodes[1]), b"<"):
         raise RuntimeError("order() misreads equal sequence numbers")
+
+
+def reclaim(reclaim: Any) -> None:
+    """Dead aliases are left alone; a live one is moved to new memory with its
+    values; one with a view of it outside the lists stops the reclaim."""
+    owner = torch.arange(6.0)
+    handed = [owner.detach()]
+    if not reclaim(handed, [owner]) or handed[0].data_ptr() != owner.data_ptr():
+        raise RuntimeError("reclaim() moved a dead alias")
+    kept = handed[0]
+    if not reclaim(handed, [owner]) or kept.data_ptr() == owner.data_ptr() or not torch.equal(kept, owner):
+        raise RuntimeError("reclaim() did not move a live alias to new memory with its values")
+    handed = [owner.detach()]
+    view = handed[0][2:]
+    if reclaim(handed, [owner]) or view.data_ptr() != owner.data_ptr() + 8:
+        raise RuntimeError("reclaim() moved an alias that a view shares")
