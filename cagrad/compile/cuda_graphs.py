@@ -22,7 +22,8 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   data). A call that matches no graph records one, so a loop whose
   addresses settle after a few steps replays without copies; a call whose
   best graph copies inputs that are at the address they had two calls ago
-  records one more that reads them in place, so a loop whose allocator
+  records one more that reads them in place (while these sizes have fewer
+  than :data:`LAYOUT_GRAPHS` graphs), so a loop whose allocator
   alternates between two layouts (one step's ``.grad`` copies taking blocks
   the next forward would have used) gets a graph per layout; calls where
   nothing is where it was share the graph that copies every input but the
@@ -146,6 +147,11 @@ class _Mask:
             self.picks = lambda addresses: ()
 
 
+LAYOUT_GRAPHS = 3
+"""Graphs per tuple of sizes beyond which a call whose graph copies inputs
+does not record one more that reads them in place (the copying graph and
+one per layout of an allocator that alternates between two)."""
+
 MAX_HOST_VALUES = 8
 """Most elements a host (CPU) input of a CUDA-graphed backward may have: its
 values are part of the graph's key and compared on every call."""
@@ -256,13 +262,14 @@ class CudaGraphed:
     list otherwise. Exceptions of ``fn`` itself pass through.
     """
 
-    __slots__ = ("fn", "graphs", "seen", "masks", "disabled", "warmup_calls", "unread", "host")
+    __slots__ = ("fn", "graphs", "seen", "masks", "disabled", "warmup_calls", "unread", "host", "per_size")
 
     def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1, unread: frozenset[int] = frozenset()) -> None:
         self.fn = fn
         self.unread = unread  # inputs whose values no kernel reads (unread_host_inputs)
         self.host: list[int] | None = None  # positions of the inputs on the host, from the first call
         self.graphs: dict[tuple, _Recorded] = {}
+        self.per_size: dict[tuple, int] = {}  # graphs recorded per tuple of sizes (and host values)
         # per tuple of sizes: calls so far and the input addresses of the
         # last call and of the one before it
         self.seen: dict[tuple, tuple[int, Any, Any]] = {}
@@ -322,7 +329,12 @@ class CudaGraphed:
             # and holds the keyed values
             static = _in_place(inputs, params, addresses, last)
             return self._record_and_replay(inputs, sizes, scalars, hooks, packed, size_key, addresses, static, params)
-        if recorded.copies_device and before_last is not None and len(self.graphs) < MAX_GRAPHS:
+        if (
+            recorded.copies_device
+            and before_last is not None
+            and len(self.graphs) < MAX_GRAPHS
+            and self.per_size.get(size_key, 0) < LAYOUT_GRAPHS
+        ):
             # the graph that fits copies inputs; where they are at the address
             # they had two calls ago (the caching allocator alternating between
             # two layouts, step after step), a graph of its own reads them in
@@ -350,6 +362,7 @@ class CudaGraphed:
             return self(inputs, sizes, scalars, hooks, packed)
         mask = _Mask(recorded.static)
         self.graphs[_key(size_key, addresses, mask)] = recorded
+        self.per_size[size_key] = self.per_size.get(size_key, 0) + 1
         masks = self.masks.setdefault(size_key, [])
         if all(m.static != mask.static for m in masks):
             masks.append(mask)
@@ -415,4 +428,4 @@ class CudaGraphed:
         return _Recorded(graph, buffers, static, outputs, copies_device)
 
 
-__all__ = ["MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]
+__all__ = ["LAYOUT_GRAPHS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]

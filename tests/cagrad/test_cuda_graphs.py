@@ -114,22 +114,26 @@ class _Scale(nn.Module):
         return ((x @ self.w) * s).sin().sum()
 
 
+def _scale_step_like_eager(model: _Scale, s: torch.Tensor) -> None:
+    """One backward of ``model`` at CPU scalar ``s`` in eager, then under
+    reduce-overhead; the weight's gradients must be equal."""
+    x = torch.randn(5, 3, device="cuda")
+    model.zero_grad(set_to_none=True)
+    model(x, s).backward()
+    expected = model.w.grad.clone()
+    model.zero_grad(set_to_none=True)
+    with cagrad.enable("eager", mode="reduce-overhead"):
+        model(x, s).backward()
+    torch.testing.assert_close(model.w.grad, expected, rtol=0, atol=0)
+
+
 @cuda
 def test_small_cpu_inputs_are_recorded_by_value() -> None:
     """A graph with a CPU scalar input is recorded per value of it and
     replayed only at that value; gradients stay eager's at every step."""
-    values = [2.0, 2.0, 2.0, 3.0, 3.0, 2.0, 3.0, 2.0]
     model = _Scale()
-    for v in values:
-        x = torch.randn(5, 3, device="cuda")
-        s = torch.tensor(v)
-        model.zero_grad(set_to_none=True)
-        model(x, s).backward()
-        expected = model.w.grad.clone()
-        model.zero_grad(set_to_none=True)
-        with cagrad.enable("eager", mode="reduce-overhead"):
-            model(x, s).backward()
-        torch.testing.assert_close(model.w.grad, expected, rtol=0, atol=0)
+    for v in [2.0, 2.0, 2.0, 3.0, 3.0, 2.0, 3.0, 2.0]:
+        _scale_step_like_eager(model, torch.tensor(v))
     assert cagrad.counters["cudagraph_records"] == 2, dict(cagrad.counters)
     assert cagrad.counters["cudagraph_replays"] >= 5
     assert "cpu_input" not in cagrad.counters["cudagraph_skip_reasons"]
@@ -139,15 +143,7 @@ def test_small_cpu_inputs_are_recorded_by_value() -> None:
 def test_cpu_inputs_that_keep_changing_reach_the_bound_and_stay_right() -> None:
     model = _Scale()
     for i in range(2 * cuda_graphs.MAX_GRAPHS + 4):
-        x = torch.randn(5, 3, device="cuda")
-        s = torch.tensor(1.0 + i / 8)
-        model.zero_grad(set_to_none=True)
-        model(x, s).backward()
-        expected = model.w.grad.clone()
-        model.zero_grad(set_to_none=True)
-        with cagrad.enable("eager", mode="reduce-overhead"):
-            model(x, s).backward()
-        torch.testing.assert_close(model.w.grad, expected, rtol=0, atol=0)
+        _scale_step_like_eager(model, torch.tensor(1.0 + i / 8))
     assert cagrad.counters["cudagraph_records"] == cuda_graphs.MAX_GRAPHS
     assert cagrad.counters["cudagraph_skip_reasons"]["too_many_graphs"] >= 1
 
