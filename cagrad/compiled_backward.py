@@ -378,10 +378,7 @@ def _run_guarded(
         order = hit.order
         if not saved_variables.release_nodes([order[pos] for pos in guard.release_positions]):
             runtime.release_slots([(order[pos], attr, index) for pos, attr, index in guard.release_slots])
-    if events.on_run:
-        with events.running():
-            outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
-    else:  # no listener (the common case): no context manager to enter
+    with events.running():
         outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
     runtime.finish_whole(entry, hit.order, outs)
     return None

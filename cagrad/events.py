@@ -53,10 +53,20 @@ def emit_capture(event: CaptureEvent) -> None:
         listener(event)
 
 
+_NO_LISTENER = contextlib.nullcontext()
+
+
+def running() -> contextlib.AbstractContextManager[None]:
+    """Brackets the execution of compiled code with ``on_run`` calls; a
+    reusable no-op where nothing listens (the common case, on every cache
+    hit: no generator to create)."""
+    if not on_run:
+        return _NO_LISTENER
+    return _running(list(on_run))
+
+
 @contextlib.contextmanager
-def running() -> Iterator[None]:
-    """Brackets the execution of compiled code with ``on_run`` calls."""
-    listeners = list(on_run)
+def _running(listeners: list[Callable[[bool], None]]) -> Iterator[None]:
     for listener in listeners:
         listener(True)
     try:

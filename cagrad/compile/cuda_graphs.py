@@ -299,12 +299,12 @@ class CudaGraphed:
             self._disable("cpu_input")
             return self(inputs, sizes, scalars, hooks, packed)
         addresses = [t.data_ptr() for t in inputs]
-        calls, last, before_last = self.seen.get(tuple(sizes), (0, None, None))
-        self.seen[tuple(sizes)] = (calls + 1, addresses, last)
+        size_key = tuple(sizes)
+        calls, last, before_last = self.seen.get(size_key, (0, None, None))
+        self.seen[size_key] = (calls + 1, addresses, last)
         # small host tensors (a CPU scalar operand) are part of the key by
         # value: a replay uses the values recorded (the warm-up, for the
         # backend's lazy compile, is per tuple of sizes)
-        size_key = tuple(sizes)
         if host:
             size_key = (size_key, tuple(_host_key(inputs[i]) for i in host if i not in self.unread))
         # a graph's key holds exactly the addresses its mask reads in place,

@@ -39,6 +39,15 @@ def _grads(model: nn.Module, x: torch.Tensor, backward) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _backward(loss: torch.Tensor, graphed: bool) -> None:
+    """``loss.backward()`` in eager, or under reduce-overhead."""
+    if graphed:
+        with cagrad.enable("eager", mode="reduce-overhead"):
+            loss.backward()
+    else:
+        loss.backward()
+
+
 def _eager_and_graphed(device: str, batches, steps_per_batch: int = 1, lr: float = 0.1, dynamic=None):
     """Trains an MLP and its copy with SGD, the copy's backward under
     reduce-overhead (``dynamic`` as for ``cagrad.enable``); yields both
@@ -159,12 +168,7 @@ def test_a_transformer_layer_without_dropout_replays() -> None:
         grads = []
         for use_cagrad in (False, True):
             layer.zero_grad(set_to_none=True)
-            loss = layer(x).square().mean()
-            if use_cagrad:
-                with cagrad.enable("eager", mode="reduce-overhead"):
-                    loss.backward()
-            else:
-                loss.backward()
+            _backward(layer(x).square().mean(), use_cagrad)
             grads.append([p.grad.clone() for p in layer.parameters()])
         for expected, got in zip(*grads):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -199,12 +203,7 @@ def test_a_traced_hook_is_replayed_in_the_cuda_graph() -> None:
             model.zero_grad(set_to_none=True)
             h = model[0](x)
             h.register_hook(lambda g: g * 0.5)
-            loss = model[2](torch.tanh(h)).square().mean()
-            if graphed:
-                with cagrad.enable("eager", mode="reduce-overhead"):
-                    loss.backward()
-            else:
-                loss.backward()
+            _backward(model[2](torch.tanh(h)).square().mean(), graphed)
             grads.append([p.grad.clone() for p in model.parameters()])
         for e, g in zip(*grads):
             torch.testing.assert_close(g, e)
