@@ -75,7 +75,11 @@ def _as_is(args: list) -> list:
 
 
 def compile_boxed(
-    backend: Callable[..., Any], name: str | None, gm: torch.fx.GraphModule, examples: Sequence[Any]
+    backend: Callable[..., Any],
+    name: str | None,
+    gm: torch.fx.GraphModule,
+    examples: Sequence[Any],
+    inputs_keyed: bool = False,
 ) -> tuple[Callable[..., Any], bool]:
     """Compiles ``gm`` with ``backend``; boxed where the backend allows it.
 
@@ -86,6 +90,12 @@ def compile_boxed(
         name: its registered name, or None when unknown.
         gm: the flat graph (:func:`cagrad.compile.direct_compile.flat_graph`).
         examples: one example (fake tensor or SymInt) per placeholder.
+        inputs_keyed: every tensor input's sizes, strides and storage offset
+            are in the cache key and its SizeCheck, which a call has passed
+            (a whole-graph backward; a segment also reads what opaque calls
+            return). inductor then compiles without its per-call
+            ``assert_size_stride`` of each input (``size_asserts``), a
+            second layer of the check cagrad has already made.
 
     Returns:
         ``(fn, boxed)``: with ``boxed`` True, call ``fn(args_list)`` (it
@@ -96,6 +106,11 @@ def compile_boxed(
     if name in BOXED_BACKENDS:
         from torch._dynamo.utils import GmWrapper
 
+        if name == "inductor" and inputs_keyed:
+            from torch._inductor import config
+
+            with config.patch(size_asserts=False):
+                return backend(GmWrapper(gm, _as_is), list(examples)), True
         return backend(GmWrapper(gm, _as_is), list(examples)), True
     return backend(gm, list(examples)), False
 

@@ -295,7 +295,10 @@ def compile_graph(
             sizes only, and the symbolic code on the first need
             (:meth:`DirectCompiled.prepare_symbolic`, which the caller
             calls before a call at other sizes). A whole-graph backward
-            only: a segment's call cannot stop to prepare.
+            only: a segment's call cannot stop to prepare. A whole graph's
+            tensor inputs are all in the cache key, so inductor compiles it
+            without size asserts (``inputs_keyed`` of
+            :func:`cagrad.compile.boxed.compile_boxed`).
 
     Returns:
         the compiled graph, called like ``gm`` (a boxed one empties the
@@ -326,11 +329,11 @@ def compile_graph(
 
     def compile_symbolic() -> tuple[Callable[..., Any], bool]:
         with tracing(TracingContext(fake_mode)):
-            return compile_boxed(backend, name, flat, examples)
+            return compile_boxed(backend, name, flat, examples, inputs_keyed=static_first)
 
     compiled = DirectCompiled(None, reads, symbols)
     if specialize.wanted(name) and any(_symbolic(e) for e in examples):
-        sp = compiled.specializer = _specializer(compiled, reads, backend, name, gm, examples)
+        sp = compiled.specializer = _specializer(compiled, reads, backend, name, gm, examples, static_first)
         binding = sp.capture_binding if static_first else None
         if binding is not None:
             try:
@@ -370,10 +373,12 @@ def _specializer(
     name: str | None,
     gm: torch.fx.GraphModule,
     examples: list,
+    inputs_keyed: bool,
 ) -> Specializer:
     """Static compiles of ``gm`` for the sizes ``compiled`` is called at
     (:mod:`cagrad.compile.specialize`): the same flat graph and placeholders, the
-    symbols of ``examples`` bound to the call's values."""
+    symbols of ``examples`` bound to the call's values (``inputs_keyed``: see
+    :func:`cagrad.compile.boxed.compile_boxed`)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -406,7 +411,7 @@ def _specializer(
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         static = specialize.static_examples(examples, binding, fake_mode)
         with tracing(TracingContext(fake_mode)):
-            fn, boxed = compile_boxed(backend, name, flat, static)
+            fn, boxed = compile_boxed(backend, name, flat, static, inputs_keyed=inputs_keyed)
         out = DirectCompiled(fn, reads, (), boxed)
         out.getters = compiled.getters  # shared: link() may still fill it in
         return out

@@ -128,3 +128,70 @@ def test_a_changed_global_state_gets_a_variant_of_its_own():
         stack.extend(node.children.values())
     (node,) = ends
     assert [v.state_holds() for v in node.variants] == [True, False]
+
+
+def _inductor_codes(step):
+    """The output code inductor writes while ``step`` runs (a fresh cache:
+    a cached compile writes none)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import fresh_cache
+
+    codes = []
+    with fresh_cache(), mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        step()
+    return codes
+
+
+def test_inductor_drops_size_asserts_only_where_the_key_covers_every_input():
+    """A whole graph's inputs are all keyed, so its code has no
+    ``assert_size_stride``; an input of other strides (a transposed saved
+    tensor) is a cache miss and a capture of its own, never the old code."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def grads(x):
+        w.grad = None
+        (x @ w).tanh().sum().backward()
+        return w.grad.clone()
+
+    contiguous = torch.randn(6, 8)
+    transposed = torch.randn(8, 6).t()
+    expected = [grads(contiguous), grads(transposed), grads(contiguous)]
+    engine.clear_caches()
+    got = []
+    with cagrad.enable("inductor"):
+        codes = _inductor_codes(lambda: got.extend(grads(x) for x in (contiguous, transposed, contiguous)))
+        assert cagrad.counters["cache_hits"] == 1
+    assert len(codes) == 2  # one graph per layout of the saved input
+    for code in codes:
+        assert "def call(" in code and "assert_size_stride(" not in code
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)  # inductor fuses: float32 rounding
+
+
+def test_inductor_keeps_size_asserts_in_a_segment():
+    """A segment reads what an opaque call returns (here a hook's result),
+    which no cache key covers: inductor's own size asserts stay."""
+    torch.manual_seed(0)
+    seen = []
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(6, 8)
+
+    def step():
+        w.grad = None
+        y = x @ w
+        y.register_hook(seen.append)  # a bound method: opaque (cagrad.hooks.hook_tracing)
+        y.tanh().sum().backward()
+        return w.grad.clone()
+
+    expected = step()
+    engine.clear_caches()
+    with cagrad.enable("inductor"):
+        got = []
+        codes = _inductor_codes(lambda: got.append(step()))
+        got.append(step())
+    for g in got:
+        torch.testing.assert_close(g, expected)  # inductor fuses: float32 rounding
+    assert any("assert_size_stride(" in code for code in codes)
