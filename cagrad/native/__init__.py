@@ -14,7 +14,8 @@ on first need) provides:
   :mod:`cagrad.keys.hit_path`): a node's ``InputMetadata`` and a strided
   tensor's metadata compared against one packed integer, sizes appended to
   the guard's value list; tuples of ints and ints appended the same way;
-  the order of a tuple of nodes' sequence numbers.
+  the order of a tuple of nodes' sequence numbers (and that none is there
+  twice).
 * ``reclaim(handed, owners)``: before a CUDA graph replays into the memory
   of its outputs, what was handed out of it after the last replay is dead or
   moved to new memory (:func:`reclaim_fn`);
@@ -143,7 +144,8 @@ def metadata_fns() -> MetadataReaders | None:
     otherwise. ``int_(a, values) -> bool``: the same for one int.
     ``order(nodes, relation) -> bool``: whether the sequence numbers of a
     tuple of nodes relate pairwise as ``relation`` says (bytes, one per
-    adjacent pair: ``b"<"`` or ``b"="``).
+    adjacent pair: ``b"<"`` or ``b"="``), with no node there twice (the hit
+    guards' check that the captured nodes are distinct objects).
 
     Raises (the returned functions):
         TypeError: ``node`` is not an autograd node, or another argument type.

@@ -544,8 +544,11 @@ static PyObject* int_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // order(nodes, relation) -> bool: whether the sequence numbers of the nodes
-// (a tuple) relate pairwise as `relation` says: relation[i] is b'<' or b'='
-// for nodes[i] against nodes[i + 1].
+// (a tuple) relate pairwise as `relation` says (relation[i] is b'<' or b'='
+// for nodes[i] against nodes[i + 1]) and no node is in the tuple twice.
+// Strictly increasing numbers are distinct nodes already; within a run of
+// equal numbers (the AccumulateGrad nodes all have the largest) the objects
+// are compared pairwise.
 static PyObject* order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1])) {
     PyErr_SetString(PyExc_TypeError, "order(nodes: tuple, relation: bytes)");
@@ -558,14 +561,30 @@ static PyObject* order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const char* rel = PyBytes_AS_STRING(args[1]);
   uint64_t prev = 0;
+  Py_ssize_t run = 0;  // where the current run of equal numbers starts
   for (Py_ssize_t i = 0; i < n; ++i) {
-    Node* node = node_of(PyTuple_GET_ITEM(args[0], i));
+    PyObject* obj = PyTuple_GET_ITEM(args[0], i);
+    Node* node = node_of(obj);
     if (node == nullptr) {
       return nullptr;
     }
     uint64_t seq = node->sequence_nr();
-    if (i > 0 && !(rel[i - 1] == '<' ? prev < seq : prev == seq)) {
-      Py_RETURN_FALSE;
+    if (i > 0) {
+      if (rel[i - 1] == '<') {
+        if (!(prev < seq)) {
+          Py_RETURN_FALSE;
+        }
+        run = i;
+      } else {
+        if (prev != seq) {
+          Py_RETURN_FALSE;
+        }
+        for (Py_ssize_t j = run; j < i; ++j) {
+          if (PyTuple_GET_ITEM(args[0], j) == obj) {
+            Py_RETURN_FALSE;
+          }
+        }
+      }
     }
     prev = seq;
   }

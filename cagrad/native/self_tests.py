@@ -125,7 +125,8 @@ def _ints(ints: Any, int_: Any) -> None:
 
 
 def _order(order: Any) -> None:
-    """The order of sequence numbers is ``_sequence_nr()``'s."""
+    """The order of sequence numbers is ``_sequence_nr()``'s, and no node
+    may be there twice."""
     with torch.inference_mode(False), torch.enable_grad():
         x = torch.ones(2, requires_grad=True)
         a = x.exp()
@@ -137,8 +138,17 @@ def _order(order: Any) -> None:
         raise RuntimeError(f"sequence numbers {seq} do not grow with creation")
     if not order(nodes, b"<<") or order(nodes[::-1], b"<<") or order(nodes, b"<=") or not order(nodes[:1], b""):
         raise RuntimeError(f"order() misreads sequence numbers {seq}")
-    if not order((nodes[1], nodes[1]), b"=") or order((nodes[1], nodes[1]), b"<"):
+    # two leaves' AccumulateGrad nodes: one sequence number (the largest)
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = (x.exp().grad_fn.next_functions[0][0], (x * 2).grad_fn.next_functions[0][0])
+        other = torch.ones(1, requires_grad=True).exp().grad_fn.next_functions[0][0]
+    tie = (leaves[0], other)
+    if tie[0]._sequence_nr() != tie[1]._sequence_nr():
+        raise RuntimeError("AccumulateGrad nodes have sequence numbers of their own")
+    if not order(tie, b"=") or order(tie, b"<"):
         raise RuntimeError("order() misreads equal sequence numbers")
+    if order(leaves, b"=") or order((nodes[0], *tie, tie[0]), b"<=="):
+        raise RuntimeError("order() accepts one node twice")
 
 
 def reclaim(reclaim: Any) -> None:

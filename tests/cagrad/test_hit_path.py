@@ -306,3 +306,19 @@ def test_the_cpp_readers_agree_with_torchs_input_metadata_and_saved_tensors():
     tensors = seen.pop("tensors")
     assert len({dtype for dtype, _, _ in seen.values()}) == 2 and len({rank for _, _, rank in seen.values()}) >= 3
     assert len({meta[0] for meta in tensors.values()}) == 2 and len({meta[3] for meta in tensors.values()}) == 2
+
+
+def test_two_captured_leaves_that_are_one_leaf_now_are_not_a_guarded_hit():
+    # captured: two leaves, whose AccumulateGrad nodes tie in sequence number
+    # (all AccumulateGrad nodes have the largest). Then one leaf in both
+    # places: the structure and every attribute match the captured graph, and
+    # only the distinct-nodes check (C++: order(); Python: a set of ids)
+    # tells one node from two
+    a = torch.randn(5, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    _assert_same(lambda: (a * 2 + b * 3).sum(), [a, b])
+    _assert_same(lambda: (a * 2 + a * 3).sum(), [a])
+    assert _counts() == (2, 0, 0)
+    _assert_same(lambda: (a * 2 + b * 3).sum(), [a, b])
+    _assert_same(lambda: (a * 2 + a * 3).sum(), [a])
+    assert _counts() == (2, 2, 2)
