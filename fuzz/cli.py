@@ -12,6 +12,13 @@
     python -m fuzz campaign --budget 3600 --seed 7 --shard 2/4 --out shard2   # one of 4 machines
     python -m fuzz merge shard1 shard2 shard3 shard4 --out merged
 
+Every command runs cagrad with ``CAGRAD_VERIFY_GUARDS=1`` unless the
+environment sets it (``0`` turns it off): each backward a generated hit guard
+accepts is collected again by the full path, and one the full path sees as
+another graph raises cagrad's internal error, so a wrong guarded hit is a
+failure of the campaign even where its gradients happen to agree with
+eager's (:mod:`cagrad.keys.hit_path`).
+
 Exit status: 0 clean, 1 divergence found (campaign) or reproduced (replay),
 2 usage or I/O error, 3 internal error of the fuzzer, 130 campaign
 interrupted.
@@ -47,6 +54,8 @@ def _quiet_warnings() -> None:
 def main() -> None:
     """cagrad-fuzz: random autograd programs, eager vs compiled autograd."""
     _quiet_warnings()
+    # set before any worker starts: workers inherit it (see the module docstring)
+    os.environ.setdefault("CAGRAD_VERIFY_GUARDS", "1")
 
 
 @main.command()

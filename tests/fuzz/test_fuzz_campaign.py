@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from fuzz.campaign import Campaign, CampaignConfig
@@ -215,3 +217,16 @@ def test_programs_that_fell_back_are_kept_as_samples_per_reason(tmp_path: Path) 
     from fuzz.report.load import load_report
 
     load_report(out / "report.json")
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
+def test_fuzz_commands_verify_guarded_hits_unless_told_not_to(monkeypatch, preset, expected) -> None:
+    """Every fuzz command turns CAGRAD_VERIFY_GUARDS on for itself and its
+    workers; a value the environment sets is kept."""
+    if preset is None:
+        monkeypatch.delenv("CAGRAD_VERIFY_GUARDS", raising=False)
+    else:
+        monkeypatch.setenv("CAGRAD_VERIFY_GUARDS", preset)
+    result = CliRunner().invoke(main, ["ops"])
+    assert result.exit_code == 0, result.output
+    assert os.environ["CAGRAD_VERIFY_GUARDS"] == expected
