@@ -6,6 +6,7 @@ import json
 import platform
 import re
 import shutil
+import statistics
 from collections.abc import Callable
 
 import click
@@ -41,12 +42,16 @@ FIRST_WORKLOADS = ",".join([*FAMILIES["transformer"], *FAMILIES["chain"], "mlp"]
               f"first: {FIRST_WORKLOADS}")
 @click.option("--subjects", default=None, help=f"comma-separated; default steady: all but the ,dynamic ones (the reduce-overhead ones on CUDA only); first: {FIRST_SUBJECTS}")
 @click.option("--iters", default=30, show_default=True, help="steady: timed backwards per cell")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="steady: measure the whole table this many times, one round after another; each ratio is "
+              "the median of its rounds' ratios, each taken against eager's cell of the same round (drift of "
+              "the machine between cells cancels), shown with its range")
 @click.option("--warm/--no-warm", default=True, show_default=True,
               help="first: also run each cell again in a second process on the caches the first filled")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the cells here")
-def main(device: str, mode: str, workloads: str | None, subjects: str | None, iters: int, warm: bool,
-         threads: int | None, json_path: str | None) -> None:
+def main(device: str, mode: str, workloads: str | None, subjects: str | None, iters: int, rounds: int,
+         warm: bool, threads: int | None, json_path: str | None) -> None:
     """Backward timings side by side, one run: steady state (median ms per
     subject and workload, ratio to eager, cagrad's own overhead per node in
     us, peak CUDA memory in MiB, the backward's GPU kernel time in ms) or
@@ -69,27 +74,34 @@ def main(device: str, mode: str, workloads: str | None, subjects: str | None, it
     if first:
         doc = _first(console, device, wl_names, sub_names, warm, threads)
     else:
-        meta["iters"] = iters
-        doc = {"cells": _steady(console, device, wl_names, sub_names, iters)}
+        meta["iters"], meta["rounds"] = iters, rounds
+        doc = {"cells": _steady(console, device, wl_names, sub_names, iters, rounds)}
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"meta": meta, **doc}, f, indent=2)
 
 
-def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[str], iters: int) -> dict:
-    results: dict[str, dict[str, dict]] = {}
-    for wl in wl_names:
-        results[wl] = {}
-        for sub in sub_names:
-            torch.manual_seed(0)
-            cell = measure(WORKLOADS[wl](device), SUBJECTS[sub], device, iters)
-            results[wl][sub] = cell.__dict__
-            console.log(f"{wl} / {sub}: {cell.ms and round(cell.ms, 3)} ms {cell.error or ''}", markup=False)
+def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[str], iters: int,
+            rounds: int) -> dict:
+    measured: dict[str, dict[str, list[dict]]] = {wl: {sub: [] for sub in sub_names} for wl in wl_names}
+    for r in range(rounds):
+        for wl in wl_names:
+            for sub in sub_names:
+                torch.manual_seed(0)
+                cell = measure(WORKLOADS[wl](device), SUBJECTS[sub], device, iters)
+                measured[wl][sub].append(cell.__dict__)
+                at = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
+                console.log(f"{wl} / {sub}{at}: {cell.ms and round(cell.ms, 3)} ms {cell.error or ''}", markup=False)
+    results = {wl: {sub: combine_rounds(row[sub], row.get("eager")) for sub in sub_names}
+               for wl, row in measured.items()}
 
     def steady_text(row: dict, sub: str) -> str:
         c, eager_ms = row[sub], row.get("eager", {}).get("ms")
         text = f"{c['ms']:.3f} ms"
-        if eager_ms and sub != "eager":
+        if c.get("ratio") is not None and sub != "eager":
+            low, high = c["ratio_range"]
+            text += f" ({c['ratio']:.2f}x)" if low == high else f" ({c['ratio']:.2f}x, {low:.2f}-{high:.2f})"
+        elif eager_ms and sub != "eager":
             text += f" ({c['ms'] / eager_ms:.2f}x)"
         if c.get("overhead_us_per_node") is not None:
             text += f"\n{c['overhead_us_per_node']:.2f} us/node"
@@ -106,6 +118,43 @@ def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[
                   lambda c: c, "ms", steady_text)
     console.print(table)
     return results
+
+
+def combine_rounds(cells: list[dict], eager: list[dict] | None) -> dict:
+    """One subject's cells of every round as one cell.
+
+    Args:
+        cells: its :class:`~harness.bench.measure.Cell` dicts, one per round.
+        eager: eager's cells of the same workload, round for round (None
+            where eager was not measured).
+
+    Returns:
+        the last round's cell, with ``ms``, ``overhead_us_per_node`` and
+        ``gpu_ms`` the medians of the rounds that measured them,
+        ``peak_mib`` their largest, ``round_ms`` each round's ms (None
+        where it failed), and where eager was measured ``ratio``: the
+        median over rounds of ms / eager's ms of that round, and
+        ``ratio_range``: [lowest, highest] of them. ``error`` stays set only
+        where no round measured the cell.
+    """
+    out = dict(cells[-1])
+    good = [c for c in cells if c["ms"] is not None]
+    out["round_ms"] = [c["ms"] for c in cells]
+    if not good:
+        return out
+    out["error"] = None
+    for key in ("ms", "overhead_us_per_node", "gpu_ms"):
+        values = [c[key] for c in good if c[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    peaks = [c["peak_mib"] for c in good if c["peak_mib"] is not None]
+    out["peak_mib"] = max(peaks) if peaks else None
+    out["nodes"] = next((c["nodes"] for c in good if c["nodes"]), None)
+    if eager is not None:
+        ratios = [c["ms"] / e["ms"] for c, e in zip(cells, eager) if c["ms"] is not None and e["ms"]]
+        if ratios:
+            out["ratio"] = statistics.median(ratios)
+            out["ratio_range"] = [min(ratios), max(ratios)]
+    return out
 
 
 def _grid(title: str, results: dict, wl_names: list[str], sub_names: list[str],

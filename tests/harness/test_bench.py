@@ -114,3 +114,35 @@ def test_gpu_kernel_time_of_a_host_bound_backward_is_below_its_wall_time():
         # 200 elementwise kernels of 4096 floats: microseconds of GPU work
         # each, launched one by one from the host
         assert 0 < cell.gpu_ms < cell.ms
+
+
+def test_rounds_combine_into_median_ratios_against_the_same_rounds_eager():
+    from harness.bench.cli import combine_rounds
+
+    def cell(ms, peak=None):
+        return {"ms": ms, "overhead_us_per_node": None if ms is None else ms * 10, "gpu_ms": None,
+                "peak_mib": peak, "nodes": 4, "counters": {}, "error": None if ms else "boom"}
+
+    eager = [cell(1.0), cell(1.0), cell(2.0)]
+    got = combine_rounds([cell(2.0, 5.0), cell(None), cell(3.0, 7.0)], eager)
+    # rounds 1 and 3 measured: ratios 2.0 / 1.0 and 3.0 / 2.0
+    assert got["ratio"] == pytest.approx(1.75) and got["ratio_range"] == [1.5, 2.0]
+    assert got["ms"] == pytest.approx(2.5) and got["overhead_us_per_node"] == pytest.approx(25.0)
+    assert got["peak_mib"] == 7.0 and got["round_ms"] == [2.0, None, 3.0] and got["error"] is None
+    failed = combine_rounds([cell(None), cell(None)], eager[:2])
+    assert failed["error"] == "boom" and "ratio" not in failed
+
+
+def test_bench_rounds_measure_the_table_again(tmp_path):
+    out = tmp_path / "bench.json"
+    _bench("--workloads", "mlp", "--subjects", "eager,cagrad[eager]", "--iters", "2", "--rounds", "2",
+           "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["meta"]["rounds"] == 2
+    cells = data["cells"]["mlp"]
+    eager, compiled = cells["eager"], cells["cagrad[eager]"]
+    assert len(compiled["round_ms"]) == 2 and all(ms > 0 for ms in compiled["round_ms"])
+    ratios = [c / e for c, e in zip(compiled["round_ms"], eager["round_ms"])]
+    assert compiled["ratio_range"] == pytest.approx([min(ratios), max(ratios)])
+    # each round starts from a reset cagrad: 1 capture, then hits only
+    assert compiled["counters"] == {"captures": 1, "cache_hits": 4, "guard_hits": 4, "fallbacks": 0}
