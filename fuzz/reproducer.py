@@ -186,8 +186,12 @@ def replay(
     :class:`fuzz.oracle.Oracle`): the report's notes list each neighbour's
     change and result, a wrong cache hit is a ``cache`` mismatch, and the
     JSON form gets a ``neighbours`` list."""
+    import os
+
     from fuzz.oracle import Oracle
 
+    # as the campaign that found it ran (fuzz.cli): a wrong guarded hit raises
+    os.environ.setdefault("CAGRAD_VERIFY_GUARDS", "1")
     try:
         oracle = Oracle(subjects or None, plugins, devices, neighbours=neighbours)
     except (ValueError, KeyError) as e:
