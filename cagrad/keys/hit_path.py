@@ -223,6 +223,9 @@ class _Generator:
         # the C++ readers of input and tensor metadata (about 10x cheaper
         # than the Python attributes), or None
         self.readers = native.metadata_fns()
+        self.hookless = native.hookless_fn()
+        if self.hookless is not None:
+            self.consts["_hookless"] = self.hookless
         if self.readers is not None:
             self.consts["_md"] = self.readers.metadata
             self.consts["_tm"] = self.readers.tensor
@@ -253,6 +256,10 @@ class _Generator:
     def source(self) -> str:
         self._structure()
         self._run_order()
+        if self.hookless is not None:
+            # every node's hook lists in one C++ call (counts(n, True) per node otherwise)
+            nodes = ", ".join(self.var[c.id] for c in self.task.order if c.node is not None)
+            self.fail_if(f"counts is not None and not _hookless(({nodes},))")
         self.emit("V = []")
         self.emit("L = []")
         self._graph_task_key()
@@ -404,7 +411,8 @@ class _Generator:
                 self._metadata(task.call_of[fn], input_nr)
             return
         n = self.var[call.id]
-        self.fail_if(f"counts is not None and counts({n}, True) is not None")
+        if self.hookless is None:
+            self.fail_if(f"counts is not None and counts({n}, True) is not None")
         plan = self.collector.plans[pos]
         if plan.kind is Kind.ACCUMULATE:
             self.emit(f"v = {n}.variable")

@@ -6,7 +6,8 @@ The extension (:file:`cagrad_ext.cpp`, built by :mod:`cagrad.native.build`
 on first need) provides:
 
 * ``counts(node, all_lists)``: a node's hook lists, classified
-  (:mod:`cagrad.autograd._hook_counts`).
+  (:mod:`cagrad.autograd._hook_counts`); ``hookless(nodes)``: whether no
+  node of a tuple has any (the hit guards' check, one call for all nodes).
 * ``release(nodes)``: ``Node::release_variables()`` of each node, what the
   engine calls after running a node without ``retain_graph``
   (``call_function`` in torch/csrc/autograd/engine.cpp), about 20 ns a node.
@@ -72,6 +73,7 @@ class Native:
     accumulate: Callable[[list, list, list], list]
     stealable: Callable[[list, list], list]
     reclaim: Callable[[list, list], bool] | None
+    hookless: Callable[[tuple], bool] | None = None
 
 
 _lock = threading.Lock()
@@ -119,7 +121,25 @@ def _load() -> Native | None:
         reclaim = module.reclaim
     except Exception as e:  # noqa: BLE001  (CUDA graphs copy their outputs then)
         log.warning("cagrad's C++ reclaim of CUDA-graph outputs failed its self-test (%s); outputs are copied", e)
-    return Native(module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim)
+    hookless = None
+    try:
+        self_tests.hookless(module.hookless, module.counts)
+        hookless = module.hookless
+    except Exception as e:  # noqa: BLE001  (guards call counts() per node then)
+        log.warning("cagrad's C++ hookless() failed its self-test (%s); hit guards check hooks node by node", e)
+    return Native(module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim, hookless)
+
+
+def hookless_fn() -> Callable[[tuple], bool] | None:
+    """``hookless(nodes) -> bool``: whether ``counts(node, True)`` is None
+    for every node of the tuple (no live hook of any kind on any of them),
+    in one call; None if unavailable.
+
+    Raises (the returned function):
+        TypeError: ``nodes`` is not a tuple, or an item is not an autograd node.
+    """
+    native = load()
+    return native.hookless if native is not None else None
 
 
 def metadata_fns() -> MetadataReaders | None:

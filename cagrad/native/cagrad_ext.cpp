@@ -201,19 +201,7 @@ static int classify(const Hook* hook, const char* py, PyObject** dicts) {
 // Python post-accumulate-grad hook, or None. Without all_lists only the
 // tensor pre-hooks and retains-grad hooks are read (a node whose inputs are
 // only captured runs no others).
-static PyObject* counts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "counts(node, all_lists)");
-    return nullptr;
-  }
-  Node* node = node_of(args[0]);
-  if (node == nullptr) {
-    return nullptr;
-  }
-  int all_lists = PyObject_IsTrue(args[1]);
-  if (all_lists < 0) {
-    return nullptr;
-  }
+static PyObject* counts_of(Node* node, int all_lists) {
   auto& tensor_pre = node->tensor_pre_hooks();
   auto& retains = node->retains_grad_hooks();
   auto& pre = node->pre_hooks();
@@ -296,6 +284,47 @@ static PyObject* counts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_XDECREF(l);
   }
   return result;
+}
+
+static PyObject* counts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "counts(node, all_lists)");
+    return nullptr;
+  }
+  Node* node = node_of(args[0]);
+  if (node == nullptr) {
+    return nullptr;
+  }
+  int all_lists = PyObject_IsTrue(args[1]);
+  if (all_lists < 0) {
+    return nullptr;
+  }
+  return counts_of(node, all_lists);
+}
+
+// hookless(nodes) -> bool: whether counts(node, True) is None for every node
+// of the tuple (one call where a hit guard made one per node).
+static PyObject* hookless(PyObject*, PyObject* nodes) {
+  if (!PyTuple_Check(nodes)) {
+    PyErr_SetString(PyExc_TypeError, "hookless(nodes: tuple)");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(nodes); ++i) {
+    Node* node = node_of(PyTuple_GET_ITEM(nodes, i));
+    if (node == nullptr) {
+      return nullptr;
+    }
+    PyObject* got = counts_of(node, 1);
+    if (got == nullptr) {
+      return nullptr;
+    }
+    bool none = got == Py_None;
+    Py_DECREF(got);
+    if (!none) {
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
 }
 
 // release(nodes): Node::release_variables() on each node (None skipped), as
@@ -863,6 +892,7 @@ static PyMethodDef methods[] = {
     {"metadata", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(metadata)), METH_FASTCALL, nullptr},
     {"counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(counts)), METH_FASTCALL, nullptr},
     {"release", release, METH_O, nullptr},
+    {"hookless", hookless, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};

@@ -35,6 +35,22 @@ def release(release: Any) -> None:
     raise RuntimeError("release() left ExpBackward0's saved result in place")
 
 
+def hookless(hookless: Any, counts: Any) -> None:
+    """``hookless(nodes)`` is True exactly where ``counts(node, True)`` is
+    None for every node: a node with a live hook, none with a removed one."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(2, requires_grad=True)
+        plain, hooked = x.exp().grad_fn, x.sin().grad_fn
+    handle = hooked.register_prehook(lambda grad_outputs: None)
+    cases = [((plain,), True), ((plain, hooked), False), ((), True)]
+    for nodes, expected in cases:
+        if hookless(nodes) is not expected:
+            raise RuntimeError(f"hookless() of {[type(n).__name__ for n in nodes]} is not {expected}")
+    handle.remove()  # an empty hook dict stays in the node's list
+    if hookless((plain, hooked)) is not (counts(hooked, True) is None):
+        raise RuntimeError("hookless() and counts() disagree on a removed hook")
+
+
 def _metadata_readers(metadata_key: Any, metadata: Any) -> None:
     """The C++ reader sees the same InputMetadata as ``node._input_metadata``."""
     with torch.inference_mode(False), torch.enable_grad():

@@ -216,6 +216,37 @@ def test_cpp_node_hook_falls_back(ext, which, node):
     _fell_back_once()
 
 
+@pytest.mark.parametrize("which", ["pre", "post", "tensor_pre"])
+def test_cpp_hook_added_after_capture_stops_the_guarded_hit(ext, which, monkeypatch):
+    """The census cannot see a hook added from C++, so the hit guard checks
+    every node's hook lists itself (``hookless``): a guarded hit would skip
+    the hook and return unscaled gradients. (Without guard verification,
+    whose full collection would find the hook on its own.)"""
+    monkeypatch.setenv("CAGRAD_VERIFY_GUARDS", "0")
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+
+    def step(trace=None):
+        x.grad = None
+        y = x * 2
+        if trace is not None:
+            ext.add(y.grad_fn, which, 10.0, _recorder(trace, which))
+        y.exp().sum().backward()
+        return x.grad.clone()
+
+    eager_trace: list = []
+    expected = step(eager_trace)
+    with cagrad.enable("eager"):
+        step()
+        step()
+        assert cagrad.counters["guard_hits"] == 1  # a guard exists and hits
+        trace: list = []
+        got = step(trace)
+    same(got, expected)
+    assert trace == eager_trace == [(which, None)]
+    assert cagrad.counters["guard_hits"] == 1
+    assert cagrad.counters["fallback_reasons"]["invisible_hooks"] == 1
+
+
 def test_cpp_tensor_pre_hook_falls_back(ext):
     def build(trace):
         x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
