@@ -12,6 +12,7 @@ torch extensions directory keeps them); warm, the file runs in about 2 s.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -223,6 +224,7 @@ def test_cpp_hook_added_after_capture_stops_the_guarded_hit(ext, which, monkeypa
     the hook and return unscaled gradients. (Without guard verification,
     whose full collection would find the hook on its own.)"""
     monkeypatch.setenv("CAGRAD_VERIFY_GUARDS", "0")
+    gc.collect()  # graphs with hooks that earlier tests left in cycles keep guards off
     x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
 
     def step(trace=None):
