@@ -67,6 +67,7 @@ copy new data into them, replay) with the static-input split that
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -176,7 +177,7 @@ values are part of the graph's key and compared on every call."""
 def _host_inputs_ok(inputs: list, host: list[int]) -> bool:
     """Whether a graph with these host inputs (positions) may be recorded:
     some input is on CUDA (there is GPU work to replay) and every host input
-    is a small dense CPU tensor (read by value, :func:`_host_key`)."""
+    is a small dense CPU tensor (read by value, :meth:`_HostInputs.key`)."""
     return len(host) < len(inputs) and all(
         inputs[i].device.type == "cpu" and inputs[i].layout == torch.strided and inputs[i].numel() <= MAX_HOST_VALUES
         for i in host
@@ -243,11 +244,52 @@ def _count_uses(user: torch.fx.Node, node: torch.fx.Node) -> int:
     return count
 
 
-def _host_key(t: torch.Tensor) -> tuple:
-    """A host input's part of a graph's key: dtype, shape and values (a NaN
-    never equals itself, so such a call records a graph of its own until the
-    bound, then runs without one)."""
-    return t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist())
+class _HostInputs:
+    """The host (CPU) inputs of one compiled backward, read by value.
+
+    Which inputs are on the host, and each one's dtype and rank, are fixed
+    by the cache key (it holds every lifted tensor's device, dtype and
+    rank), and each one's shape by the sizes; so they are sorted out on the
+    first call, and checked (:func:`_host_inputs_ok`) once per tuple of
+    sizes.
+
+    Attributes:
+        positions: the host inputs' positions in the graph's inputs.
+    """
+
+    __slots__ = ("positions", "scalars", "small", "checked")
+
+    def __init__(self, inputs: list, unread: frozenset[int]) -> None:
+        self.positions = [i for i, t in enumerate(inputs) if not t.is_cuda]
+        keyed = [i for i in self.positions if i not in unread]
+        self.scalars = [i for i in keyed if inputs[i].dim() == 0]
+        self.small = [i for i in keyed if inputs[i].dim() != 0]
+        self.checked: set[tuple] = set()
+
+    def ok(self, inputs: list, size_key: tuple) -> bool:
+        """Whether these inputs may be recorded at these sizes (see :func:`_host_inputs_ok`)."""
+        if size_key in self.checked:
+            return True
+        if not _host_inputs_ok(inputs, self.positions):
+            return False
+        self.checked.add(size_key)
+        return True
+
+    def key(self, inputs: list) -> tuple:
+        """The host inputs' part of a graph's key: their values (0-dim ones
+        by ``item()``, about 0.1 us each), and the sign of each zero among
+        them: -0.0 equals 0.0 but is another operand (``x * -0.0`` has
+        other signs). A NaN never equals itself, so a call with one records
+        a graph of its own until the bound, then runs without one."""
+        values = tuple([inputs[i].item() for i in self.scalars])
+        if self.small:
+            values += tuple([v for i in self.small for v in inputs[i].reshape(-1).tolist()])
+        if 0 in values:
+            return values, tuple([math.copysign(1.0, v) for v in values if type(v) is float and v == 0])
+        return values, ()
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _params(inputs: list) -> list[bool]:
@@ -283,7 +325,7 @@ class CudaGraphed:
     def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1, unread: frozenset[int] = frozenset()) -> None:
         self.fn = fn
         self.unread = unread  # inputs whose values no kernel reads (unread_host_inputs)
-        self.host: list[int] | None = None  # positions of the inputs on the host, from the first call
+        self.host: _HostInputs | None = None  # the inputs on the host, from the first call
         self.graphs: dict[tuple, _Recorded] = {}
         self.per_size: dict[tuple, int] = {}  # graphs recorded per tuple of sizes (and host values)
         # per tuple of sizes: calls so far and the input addresses of the
@@ -308,21 +350,19 @@ class CudaGraphed:
             return self(inputs, sizes, scalars, hooks, packed)
         host = self.host
         if host is None:
-            # which inputs are on the host is fixed by the cache key (it
-            # holds every lifted tensor's device): read once
-            host = self.host = [i for i, t in enumerate(inputs) if not t.is_cuda]
-        if host and not _host_inputs_ok(inputs, host):
+            host = self.host = _HostInputs(inputs, self.unread)
+        size_key = tuple(sizes)
+        if host.positions and not host.ok(inputs, size_key):
             self._disable("cpu_input")
             return self(inputs, sizes, scalars, hooks, packed)
-        addresses = [t.data_ptr() for t in inputs]
-        size_key = tuple(sizes)
+        addresses = list(map(_data_ptr, inputs))
         calls, last, before_last = self.seen.get(size_key, (0, None, None))
         self.seen[size_key] = (calls + 1, addresses, last)
         # small host tensors (a CPU scalar operand) are part of the key by
         # value: a replay uses the values recorded (the warm-up, for the
         # backend's lazy compile, is per tuple of sizes)
-        if host:
-            size_key = (size_key, tuple(_host_key(inputs[i]) for i in host if i not in self.unread))
+        if host.positions:
+            size_key = (size_key, host.key(inputs))
         # a graph's key holds exactly the addresses its mask reads in place,
         # so trying each mask recorded at these sizes (most inputs read in
         # place first) finds the best graph that fits

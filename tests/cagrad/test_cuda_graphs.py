@@ -149,6 +149,45 @@ def test_small_cpu_inputs_are_recorded_by_value() -> None:
 
 
 @cuda
+def test_a_negative_zero_scalar_gets_a_graph_of_its_own() -> None:
+    """-0.0 equals 0.0, but ``w.exp() * -0.0`` has gradient -0.0 in every
+    element: a graph recorded at 0.0 must not replay at -0.0 (the sign bits
+    are eager's). Which graph serves a call also depends on the allocator's
+    layout, so that a key without the signs is wrong is asserted by
+    test_host_input_keys_tell_values_and_zero_signs_apart."""
+    w = nn.Parameter(torch.linspace(-1, 1, 6, device="cuda"))
+    for v in [0.0, 0.0, -0.0, -0.0, 0.0, -0.0, 0.0]:
+        s = torch.tensor(v)
+        grads = []
+        for graphed in (False, True):
+            w.grad = None
+            _backward((w.exp() * s).sum(), graphed)
+            grads.append(w.grad.clone())
+        assert torch.equal(grads[0].signbit(), grads[1].signbit()), v
+        assert bool(grads[1].signbit().all()) == (str(v) == "-0.0"), v
+    records = cagrad.counters["cudagraph_records"]
+    assert 2 <= records <= 2 * cuda_graphs.LAYOUT_GRAPHS, dict(cagrad.counters)
+    assert cagrad.counters["cudagraph_replays"] >= 1
+
+
+def test_host_input_keys_tell_values_and_zero_signs_apart() -> None:
+    """What a graph's key holds of its host inputs: equal values give equal
+    keys; -0.0 and 0.0 do not, nor does a NaN equal itself; an input whose
+    value no kernel reads (``unread``) is left out."""
+    def key(*values, unread=frozenset()):
+        inputs = [torch.tensor(v) for v in values]
+        return cuda_graphs._HostInputs(inputs, unread).key(inputs)
+
+    assert key(1.5, [2.0, 3.0], 7) == key(1.5, [2.0, 3.0], 7)
+    assert key(1.5, [2.0, 3.0], 7) != key(1.5, [2.0, 4.0], 7)
+    assert key(0.0, 1.0) != key(-0.0, 1.0)
+    assert key(1.0, [0.0, -0.0]) != key(1.0, [0.0, 0.0])
+    assert key(float("nan")) != key(float("nan"))
+    assert key(1.0, 5, unread=frozenset({1})) == key(1.0, 6, unread=frozenset({1}))
+    assert key(True, 0) == key(True, 0) != key(False, 0)
+
+
+@cuda
 def test_cpu_inputs_that_keep_changing_reach_the_bound_and_stay_right() -> None:
     model = _Scale()
     for i in range(2 * cuda_graphs.MAX_GRAPHS + 4):
