@@ -107,6 +107,8 @@ def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[
             text += f"\n{c['overhead_us_per_node']:.2f} us/node"
         if c.get("peak_mib") is not None:
             text += f"\n{c['peak_mib']:.0f} MiB"
+            if c.get("records_timed") and c.get("peak_steady_mib") is not None:
+                text += f" ({c['peak_steady_mib']:.0f} steady)"
         if c.get("gpu_ms") is not None:
             text += f"\nGPU {c['gpu_ms']:.3f} ms"
         return text
@@ -131,7 +133,8 @@ def combine_rounds(cells: list[dict], eager: list[dict] | None) -> dict:
     Returns:
         the last round's cell, with ``ms``, ``overhead_us_per_node`` and
         ``gpu_ms`` the medians of the rounds that measured them,
-        ``peak_mib`` their largest, ``round_ms`` each round's ms (None
+        ``peak_mib`` and ``peak_steady_mib`` their largest,
+        ``records_timed`` their sum, ``round_ms`` each round's ms (None
         where it failed), and where eager was measured ``ratio``: the
         median over rounds of ms / eager's ms of that round, and
         ``ratio_range``: [lowest, highest] of them. ``error`` stays set only
@@ -146,8 +149,11 @@ def combine_rounds(cells: list[dict], eager: list[dict] | None) -> dict:
     for key in ("ms", "overhead_us_per_node", "gpu_ms"):
         values = [c[key] for c in good if c[key] is not None]
         out[key] = statistics.median(values) if values else None
-    peaks = [c["peak_mib"] for c in good if c["peak_mib"] is not None]
-    out["peak_mib"] = max(peaks) if peaks else None
+    for key in ("peak_mib", "peak_steady_mib"):
+        peaks = [c[key] for c in good if c.get(key) is not None]
+        out[key] = max(peaks) if peaks else None
+    records = [c["records_timed"] for c in good if c.get("records_timed") is not None]
+    out["records_timed"] = sum(records) if records else None
     out["nodes"] = next((c["nodes"] for c in good if c["nodes"]), None)
     if eager is not None:
         ratios = [c["ms"] / e["ms"] for c, e in zip(cells, eager) if c["ms"] is not None and e["ms"]]

@@ -38,7 +38,14 @@ class Cell:
             way, is not counted: 9 to 70 us of a 20-node CPU backward, more
             after a backward that evicted the CPU caches.
         peak_mib: CUDA only: peak memory allocated during one backward above
-            what was allocated before it (MiB).
+            what was allocated before it (MiB), the largest over the timed
+            backwards.
+        peak_steady_mib: CUDA, cagrad only: the same over the timed
+            backwards that recorded no CUDA graph (a recording allocates the
+            graph's whole pool; a replay allocates nothing), None where every
+            one recorded.
+        records_timed: cagrad only: CUDA graphs recorded during the timed
+            backwards.
         gpu_ms: CUDA only: median over ``PROFILED`` more backwards of the
             summed device time of the kernels, copies and memsets the
             backward launched (ms; CUPTI through ``torch.profiler``, kernels
@@ -52,6 +59,8 @@ class Cell:
     nodes: int | None = None
     overhead_us_per_node: float | None = None
     peak_mib: float | None = None
+    peak_steady_mib: float | None = None
+    records_timed: int | None = None
     gpu_ms: float | None = None
     counters: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
@@ -118,7 +127,9 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
         cagrad_engine._engine.run_backward = timed_run_backward  # the instance's, ahead of the class's
         gc.collect()
         totals = []
+        records_at_start = cagrad.counters["cudagraph_records"]
         for _ in range(iters):
+            records_before = cagrad.counters["cudagraph_records"]
             loss = workload.step(model)
             calls_before, spans_before = len(calls), len(engine_spans)
             _sync(device)
@@ -132,11 +143,15 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
             if device == "cuda":
                 peak = (torch.cuda.max_memory_allocated() - before) / 2**20
                 cell.peak_mib = max(cell.peak_mib or 0.0, peak)
+                if subject.is_cagrad and cagrad.counters["cudagraph_records"] == records_before:
+                    cell.peak_steady_mib = max(cell.peak_steady_mib or 0.0, peak)
             if subject.is_cagrad and len(calls) == calls_before + 1 and len(engine_spans) == spans_before + 1:
                 calls[-1] = engine_spans[-1] - calls[-1]  # cagrad's overhead in this backward
             elif subject.is_cagrad:
                 del calls[calls_before:]
         cell.ms = statistics.median(totals) * 1e3
+        if subject.is_cagrad:
+            cell.records_timed = cagrad.counters["cudagraph_records"] - records_at_start
         if subject.is_cagrad and calls:
             cell.overhead_us_per_node = statistics.median(calls) * 1e6 / max(cell.nodes, 1)
         if subject.is_cagrad:

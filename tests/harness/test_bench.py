@@ -116,19 +116,39 @@ def test_gpu_kernel_time_of_a_host_bound_backward_is_below_its_wall_time():
         assert 0 < cell.gpu_ms < cell.ms
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_allocate_nothing_and_recordings_are_told_apart():
+    """A replay allocates nothing: the steady peak of a reduce-overhead MLP
+    is about 0 MiB, whatever its recordings in the timed window allocated; eager
+    allocates its gradients and intermediates on every backward."""
+    from harness.bench.measure import measure
+    from harness.bench.subjects import SUBJECTS
+    from harness.bench.workloads import WORKLOADS
+
+    eager = measure(WORKLOADS["mlp"]("cuda"), SUBJECTS["eager"], "cuda", 12)
+    graphed = measure(WORKLOADS["mlp"]("cuda"), SUBJECTS["cagrad[inductor,reduce-overhead]"], "cuda", 12)
+    assert eager.error is None and graphed.error is None
+    assert graphed.counters.get("cudagraph_replays", 0) >= 6, graphed.counters
+    # the root gradient (ones_like) is all a replaying backward allocates
+    assert graphed.peak_steady_mib < 0.01 and eager.peak_mib > 10
+    assert graphed.peak_mib >= graphed.peak_steady_mib and graphed.records_timed >= 0
+
+
 def test_rounds_combine_into_median_ratios_against_the_same_rounds_eager():
     from harness.bench.cli import combine_rounds
 
-    def cell(ms, peak=None):
+    def cell(ms, peak=None, steady=None, records=None):
         return {"ms": ms, "overhead_us_per_node": None if ms is None else ms * 10, "gpu_ms": None,
-                "peak_mib": peak, "nodes": 4, "counters": {}, "error": None if ms else "boom"}
+                "peak_mib": peak, "peak_steady_mib": steady, "records_timed": records, "nodes": 4,
+                "counters": {}, "error": None if ms else "boom"}
 
     eager = [cell(1.0), cell(1.0), cell(2.0)]
-    got = combine_rounds([cell(2.0, 5.0), cell(None), cell(3.0, 7.0)], eager)
+    got = combine_rounds([cell(2.0, 5.0, 0.0, 2), cell(None), cell(3.0, 7.0, 1.0, 1)], eager)
     # rounds 1 and 3 measured: ratios 2.0 / 1.0 and 3.0 / 2.0
     assert got["ratio"] == pytest.approx(1.75) and got["ratio_range"] == [1.5, 2.0]
     assert got["ms"] == pytest.approx(2.5) and got["overhead_us_per_node"] == pytest.approx(25.0)
     assert got["peak_mib"] == 7.0 and got["round_ms"] == [2.0, None, 3.0] and got["error"] is None
+    assert got["peak_steady_mib"] == 1.0 and got["records_timed"] == 3
     failed = combine_rounds([cell(None), cell(None)], eager[:2])
     assert failed["error"] == "boom" and "ratio" not in failed
 
