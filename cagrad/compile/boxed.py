@@ -28,6 +28,7 @@ hands over the only other list that holds them.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -106,12 +107,13 @@ def compile_boxed(
     if name in BOXED_BACKENDS:
         from torch._dynamo.utils import GmWrapper
 
+        options = contextlib.nullcontext()
         if name == "inductor" and inputs_keyed:
             from torch._inductor import config
 
-            with config.patch(size_asserts=False):
-                return backend(GmWrapper(gm, _as_is), list(examples)), True
-        return backend(GmWrapper(gm, _as_is), list(examples)), True
+            options = config.patch(size_asserts=False)
+        with options:
+            return backend(GmWrapper(gm, _as_is), list(examples)), True
     return backend(gm, list(examples)), False
 
 

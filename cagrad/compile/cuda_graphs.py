@@ -31,9 +31,10 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
 * small CPU inputs (at most :data:`MAX_HOST_VALUES` elements: the philox
   seed and offset an attention backward takes, a CPU scalar operand) are
   read on the host when a kernel is launched, so a recorded graph holds the
-  values it was recorded with: their dtype, shape and values are part of the
-  graph's key (a call with other values records another graph, up to the
-  bound), and they are copied into host buffers the graph owns before each
+  values it was recorded with: their values, and the sign of each zero
+  among them, are part of the graph's key (their dtype and shape are fixed
+  by the cache key and the sizes; a call with other values records another
+  graph, up to the bound), and they are copied into host buffers the graph owns before each
   replay, so that a copy from host memory captured in the graph reads live
   memory holding those values;
 * outputs live in the graph's pool and are overwritten by the next replay.
@@ -121,12 +122,11 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
 class _Recorded:
     __slots__ = ("graph", "buffers", "static", "outputs", "copies_device", "handed", "copies")
 
-    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list, copies_device: bool) -> None:
+    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list) -> None:
         self.graph = graph
         self.buffers = buffers  # per input: the buffer the graph reads, None if in place
         self.static = static  # per input: read in place
         self.outputs = outputs
-        self.copies_device = copies_device  # some CUDA input is copied before each replay
         self.handed: list | None = None  # aliases of the outputs handed out after the last replay
         # the copies before each replay, one group per device of the
         # buffers: (buffers, input positions); each group is one
@@ -139,6 +139,8 @@ class _Recorded:
                 bufs.append(buf)
                 at.append(i)
         self.copies = list(groups.values())
+        # some CUDA input is copied before each replay
+        self.copies_device = any(device.type == "cuda" for device in groups)
 
     def fill(self, inputs: list) -> None:
         """Copies the inputs the graph does not read in place into its buffers."""
@@ -478,8 +480,7 @@ class CudaGraphed:
             del outputs, graph
             return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
-        copies_device = any(t.is_cuda and not s for t, s in zip(inputs, static))
-        return _Recorded(graph, buffers, static, outputs, copies_device)
+        return _Recorded(graph, buffers, static, outputs)
 
 
 __all__ = ["LAYOUT_GRAPHS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]
