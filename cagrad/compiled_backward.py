@@ -257,9 +257,14 @@ def run(
         census = None
         if cache.guards and hit_path.eligible_call(call):
             census = Census()  # the full path below reuses it on a guard miss
-            fast = _try_guards(call, cache, census)
-            if fast is not None:
-                return _run_guarded(call, cache, *fast)
+            early = _replay_early(cache.guards[0], call) if cuda_graphs and hit_path.census_is_clear(census) else None
+            try:
+                fast = _try_guards(call, cache, census)
+                if fast is not None:
+                    return _run_guarded(call, cache, *fast)
+            finally:
+                if early is not None:
+                    early.settle()
         collected = collect_backward(
             call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
         )
@@ -362,11 +367,30 @@ def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple |
     return None
 
 
+def _replay_early(guard: hit_path.HitGuard, call: BackwardCall) -> cuda_graphs.CudaGraphed | None:
+    """Replays the CUDA graph the guard's last hit ran, before the guard
+    runs (:meth:`~cagrad.compile.cuda_graphs.CudaGraphed.speculate`); the
+    graphed backward it replayed, which the caller must settle, or None.
+
+    The root gradients are the graph inputs known before the guard: the
+    lifted tensors start with them (:mod:`cagrad.keys.hit_path`), and
+    ``input_indices`` maps each graph input to its lifted tensor."""
+    entry = guard.last_entry
+    fn = entry.fn if entry is not None else None
+    if not isinstance(fn, cuda_graphs.CudaGraphed):
+        return None
+    grads = call.grad_tensors
+    roots = len(grads)
+    known = {j: grads[i] for j, i in enumerate(entry.traced.input_indices) if i < roots}
+    return fn if fn.speculate(known) else None
+
+
 def _run_guarded(
     call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit, found: tuple
 ) -> None:
     """Runs a backward a guard accepted: call, accumulate, release."""
     entry, sym_values = found
+    guard.last_entry = entry
     if hit_path.verify_enabled():
         _verify_hit(call, cache, guard, hit)
     graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]

@@ -31,6 +31,9 @@ _INT_KEYS = (
     "cudagraph_records",  # CUDA graphs recorded (mode="reduce-overhead", cagrad.compile.cuda_graphs)
     "cudagraph_replays",  # compiled backwards replayed as a CUDA graph
     "cudagraph_skips",  # compiled backwards of that mode run without a graph
+    "cudagraph_early_replays",  # of the replays, ones started before the hit guard ran
+    "cudagraph_wasted_replays",  # early replays the backward did not use (another graph, a miss)
+    "cudagraph_evictions",  # graphs dropped for one that reads a new allocator layout in place
     "disk_hits",  # captures loaded from the disk cache instead of traced (cagrad.compile.disk_cache)
     "disk_stores",  # captures written to the disk cache
     "disk_skips",  # captures with a disk cache that were not written (reason logged at DEBUG)
@@ -48,6 +51,7 @@ class Counters(Mapping[str, Any]):
     ``recompiles_new_node``, ``recompiles_global_state``, ``deopts``, ``segment_compile_failures``,
     ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
     ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
+    ``cudagraph_early_replays``, ``cudagraph_wasted_replays``, ``cudagraph_evictions``,
     ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.compile.disk_cache`;
     a disk hit is a capture too: ``captures`` counts it),
     ``specializations`` (:mod:`cagrad.compile.specialize`);

@@ -22,12 +22,16 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   data). A call that matches no graph records one, so a loop whose
   addresses settle after a few steps replays without copies; a call whose
   best graph copies inputs that are at the address they had two calls ago
-  records one more that reads them in place (while these sizes have fewer
-  than :data:`LAYOUT_GRAPHS` graphs), so a loop whose allocator
+  records one more that reads them in place (at most :data:`LAYOUT_GRAPHS`
+  kept per tuple of sizes, the least recently replayed evicted, and
+  :data:`LAYOUT_RECORDS` recorded in all), so a loop whose allocator
   alternates between two layouts (one step's ``.grad`` copies taking blocks
-  the next forward would have used) gets a graph per layout; calls where
-  nothing is where it was share the graph that copies every input but the
-  parameters;
+  the next forward would have used) gets a graph per layout, even where
+  its first steps, before the allocator settled, used up the graphs; calls
+  where nothing is where it was share the graph that copies every input but
+  the parameters. The buffers of copied inputs come from a memory pool of
+  their own, so that recording a graph does not move the next forward's
+  activations;
 * small CPU inputs (at most :data:`MAX_HOST_VALUES` elements: the philox
   seed and offset an attention backward takes, a CPU scalar operand) are
   read on the host when a kernel is launched, so a recorded graph holds the
@@ -50,6 +54,13 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   (:func:`cagrad.run.runtime.finish_whole` accumulates them without stealing
   and clones ``autograd.grad`` results).
 
+A guarded hit (:mod:`cagrad.keys.hit_path`) may replay the graph it most
+likely picks *before* its guard runs, so that the GPU runs the graph while
+the host checks the graph and collects its inputs
+(:meth:`CudaGraphed.speculate`, ``counters["cudagraph_early_replays"]``);
+the replay is used only where the call then picks that very graph, else it
+is dropped unread (``cudagraph_wasted_replays``).
+
 Where a graph would not be safe the call runs ``fn`` directly, and the
 reason is logged once per entry and counted in
 ``cagrad.counters["cudagraph_skips"]`` and ``["cudagraph_skip_reasons"]``: an input on the host that is
@@ -67,9 +78,11 @@ copy new data into them, replay) with the static-input split that
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,6 +98,10 @@ MAX_GRAPHS = 8
 parameter addresses); beyond it, calls run without a graph."""
 
 MODES = (None, "default", "reduce-overhead")
+
+EARLY_REPLAY = os.environ.get("CAGRAD_EARLY_REPLAY", "1") != "0"
+"""Whether a guarded hit may replay its CUDA graph before its guard has run
+(:meth:`CudaGraphed.speculate`); ``CAGRAD_EARLY_REPLAY=0`` turns it off."""
 
 
 def check_mode(mode: str | None) -> bool:
@@ -120,10 +137,18 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
 
 
 class _Recorded:
-    __slots__ = ("graph", "buffers", "static", "outputs", "copies_device", "handed", "copies")
+    __slots__ = (
+        "graph", "buffers", "static", "outputs", "copies_device", "handed", "copies", "device", "frees", "next", "used",
+    )
 
-    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list) -> None:
+    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list, device: int) -> None:
         self.graph = graph
+        self.device = device  # the CUDA device index it was recorded on
+        # the allocator's device_frees count when its in-place addresses last
+        # held its inputs (a replay or the recording), None where unknown
+        self.frees: int | None = None
+        self.next: _Recorded | None = None  # the graph replayed after it, last time
+        self.used = 0  # CudaGraphed.replays at its last replay
         self.buffers = buffers  # per input: the buffer the graph reads, None if in place
         self.static = static  # per input: read in place
         self.outputs = outputs
@@ -167,9 +192,14 @@ class _Mask:
 
 
 LAYOUT_GRAPHS = 3
-"""Graphs per tuple of sizes beyond which a call whose graph copies inputs
-does not record one more that reads them in place (the copying graph and
-one per layout of an allocator that alternates between two)."""
+"""Graphs kept per tuple of sizes (the copying graph and one per layout of
+an allocator that alternates between two): a graph recorded for a layout
+beyond it evicts the least recently replayed one."""
+
+LAYOUT_RECORDS = 6
+"""Graphs recorded per tuple of sizes, in all, after which a call whose
+graph copies inputs does not record one that reads them in place (an
+allocator that never settles would otherwise record on every call)."""
 
 MAX_HOST_VALUES = 8
 """Most elements a host (CPU) input of a CUDA-graphed backward may have: its
@@ -307,6 +337,41 @@ def _in_place(inputs: list, params: list[bool], addresses: list[int], earlier: l
     return [t.is_cuda and (p or a == b) for t, p, a, b in zip(inputs, params, addresses, earlier)]
 
 
+_capture_streams: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _capturing(graph: Any) -> Any:
+    """Captures the block's CUDA work into ``graph`` on a side stream of the
+    current device (one per device, kept), as ``torch.cuda.graph`` does,
+    but without its ``torch.cuda.empty_cache()`` first: that gives every
+    cached block back to the driver, so the next forward's activations get
+    new addresses and match no graph that reads them in place (each
+    recording moved the H100 transformer layer's 32 MiB activations again).
+    The graph's pool then draws on memory the cache does not hold; where
+    there is none left, the capture fails and the backward runs without a
+    graph (``capture_failed``)."""
+    device = torch.cuda.current_device()
+    stream = _capture_streams.get(device)
+    if stream is None:
+        stream = _capture_streams[device] = torch.cuda.Stream(device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
+def _fits(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``t`` has ``buf``'s sizes, strides, dtype and device."""
+    return (
+        isinstance(t, torch.Tensor) and t.dtype == buf.dtype and t.device == buf.device
+        and t.size() == buf.size() and t.stride() == buf.stride()
+    )
+
+
 def _key(size_key: tuple, addresses: list[int], mask: _Mask) -> tuple:
     """A graph's key: the sizes (and host values), and the addresses it reads in place."""
     return size_key, mask.static, mask.picks(addresses)
@@ -322,14 +387,17 @@ class CudaGraphed:
     list otherwise. Exceptions of ``fn`` itself pass through.
     """
 
-    __slots__ = ("fn", "graphs", "seen", "masks", "disabled", "warmup_calls", "unread", "host", "per_size")
+    __slots__ = (
+        "fn", "graphs", "seen", "masks", "disabled", "warmup_calls", "unread", "host", "per_size",
+        "last", "confident", "pending", "early", "early_off", "buffer_pools", "replays",
+    )
 
     def __init__(self, fn: Callable[..., Any], warmup_calls: int = 1, unread: frozenset[int] = frozenset()) -> None:
         self.fn = fn
         self.unread = unread  # inputs whose values no kernel reads (unread_host_inputs)
         self.host: _HostInputs | None = None  # the inputs on the host, from the first call
         self.graphs: dict[tuple, _Recorded] = {}
-        self.per_size: dict[tuple, int] = {}  # graphs recorded per tuple of sizes (and host values)
+        self.per_size: dict[tuple, int] = {}  # graphs recorded, in all, per tuple of sizes (and host values)
         # per tuple of sizes: calls so far and the input addresses of the
         # last call and of the one before it
         self.seen: dict[tuple, tuple[int, Any, Any]] = {}
@@ -337,6 +405,16 @@ class CudaGraphed:
         self.masks: dict[tuple, list[_Mask]] = {}
         self.disabled: str | None = None
         self.warmup_calls = warmup_calls
+        # early replays (speculate): the graph replayed last, whether the
+        # prediction of the last replay was right, the graph replayed early
+        # in this backward and whether the backward used it
+        self.last: _Recorded | None = None
+        self.confident = False
+        self.pending: _Recorded | None = None
+        self.early = False
+        self.early_off: str | None = None
+        self.buffer_pools: dict[torch.device, Any] = {}  # see _buffer_memory
+        self.replays = 0  # replays so far (a graph's `used` stamp)
 
     def _disable(self, reason: str) -> None:
         if self.disabled is None:
@@ -344,6 +422,9 @@ class CudaGraphed:
         self.disabled = reason
 
     def __call__(self, inputs: list, sizes: list, scalars: list, hooks: list, packed: list) -> list:
+        pending = self.pending
+        if pending is not None:
+            self.pending = None  # used below, or wasted (settle counts which)
         if self.disabled is not None:
             counters.record_cudagraph_skip(self.disabled.split(":")[0])
             return list(self.fn(inputs, sizes, scalars, hooks, packed))
@@ -387,25 +468,58 @@ class CudaGraphed:
             # and holds the keyed values
             static = _in_place(inputs, params, addresses, last)
             return self._record_and_replay(inputs, sizes, scalars, hooks, packed, size_key, addresses, static, params)
-        if (
-            recorded.copies_device
-            and before_last is not None
-            and len(self.graphs) < MAX_GRAPHS
-            and self.per_size.get(size_key, 0) < LAYOUT_GRAPHS
-        ):
+        if recorded.copies_device and before_last is not None and self.per_size.get(size_key, 0) < LAYOUT_RECORDS:
             # the graph that fits copies inputs; where they are at the address
             # they had two calls ago (the caching allocator alternating between
-            # two layouts, step after step), a graph of its own reads them in
-            # place from the next call of this layout on
+            # two layouts, step after step, or settled on one), a graph of its
+            # own reads them in place from the next call of this layout on
             params = _params(inputs)
             better = _in_place(inputs, params, addresses, before_last)
             better = [s or b for s, b in zip(recorded.static, better)]
-            if sum(better) > sum(recorded.static):
+            if sum(better) > sum(recorded.static) and self._room(size_key, recorded):
                 return self._record_and_replay(
                     inputs, sizes, scalars, hooks, packed, size_key, addresses, better, params
                 )
         recorded.fill(inputs)
+        if recorded is pending:
+            # replayed early (speculate): the graph this call picks by its
+            # sizes, host values and the addresses it reads, with no CUDA
+            # input to copy in, so the replay read exactly these inputs
+            self.early = True
+            return self._hand_out(recorded)
         return self._replay(recorded, inputs, sizes)
+
+    def _room(self, size_key: tuple, keep: _Recorded) -> bool:
+        """Whether one more graph may be recorded at ``size_key`` for a
+        layout, evicting one if needed: the least recently replayed graph of
+        these sizes, but never ``keep`` (the graph that fits this call) nor
+        the one that reads fewest inputs in place (it fits any call)."""
+        at_size = [k for k in self.graphs if k[0] == size_key]
+        if len(at_size) < LAYOUT_GRAPHS and len(self.graphs) < MAX_GRAPHS:
+            return True
+        if not at_size:
+            return False
+        fallback = min(at_size, key=lambda k: sum(k[1]))
+        candidates = [k for k in at_size if k != fallback and self.graphs[k] is not keep]
+        if not candidates:
+            return False
+        self._evict(min(candidates, key=lambda k: self.graphs[k].used))
+        return True
+
+    def _evict(self, key: tuple) -> None:
+        """Drops one graph (its memory pool goes once no output of it is
+        held) and every reference to it."""
+        gone = self.graphs.pop(key)
+        counters.bump("cudagraph_evictions")
+        for g in self.graphs.values():
+            if g.next is gone:
+                g.next = None
+        if self.last is gone:
+            self.last = None
+        size_key, static = key[0], key[1]
+        if all(k[0] != size_key or k[1] != static for k in self.graphs):
+            masks = self.masks.get(size_key, [])
+            masks[:] = [m for m in masks if m.static != static]
 
     def _record_and_replay(
         self, inputs: list, sizes: list, scalars: list, hooks: list, packed: list, size_key: tuple,
@@ -441,9 +555,132 @@ class CudaGraphed:
             counters.record_cudagraph_skip("outputs_alive")
             return list(self.fn(inputs, list(sizes), [], [], []))
         recorded.graph.replay()
+        return self._hand_out(recorded)
+
+    def _hand_out(self, recorded: _Recorded) -> list:
+        """The outputs of ``recorded``, replayed just now or early, as aliases."""
         counters.bump("cudagraph_replays")
+        self.replays += 1
+        recorded.used = self.replays
+        self._observe(recorded)
         recorded.handed = [o.detach() if isinstance(o, torch.Tensor) else o for o in recorded.outputs]
         return list(recorded.handed)
+
+    def _observe(self, recorded: _Recorded) -> None:
+        """Learns the order of replays: which graph followed the last one
+        (a loop whose allocator alternates between two layouts alternates
+        between two graphs), whether that was the graph predicted, and the
+        allocator's count of memory given back now that ``recorded``'s
+        in-place addresses are known to hold its inputs."""
+        last = self.last
+        if last is not None:
+            self.confident = recorded is (last.next or last)
+            last.next = recorded
+        self.last = recorded
+        frees = native.device_frees_fn() if EARLY_REPLAY else None
+        recorded.frees = frees(recorded.device) if frees is not None else None
+
+    def speculate(self, known: dict[int, torch.Tensor]) -> bool:
+        """Replays, before the hit guard has run, the graph the next call
+        will most likely pick; returns whether it did (the caller must then
+        :meth:`settle` once the backward is done with this object).
+
+        A guarded hit spends its host time (the guard, then the call) while
+        the GPU waits; replaying first lets the GPU run the graph meanwhile.
+        The replay is a guess that is used only where the call that follows
+        in the same backward picks this very graph by its usual lookup (the
+        same sizes, every in-place input at the address the graph reads, see
+        :meth:`__call__`): then the replay read exactly that call's inputs.
+        Else its outputs are dropped unread (a replay writes only the graph's
+        own pool) and the call runs as usual.
+
+        The guess is made only where it is safe to read the recorded
+        addresses before knowing what is there now, and likely right:
+
+        * every CUDA input the graph copies in is in ``known`` (graph input
+          position -> tensor: the root gradients, known before the guard,
+          which the caller maps to the positions where the graph reads
+          them), with the buffer's sizes, strides, dtype and device; those
+          are copied now, and the call copies them again after the replay
+          (the same data). Another input to copy is known only once the
+          guard has collected it: no guess then. Host inputs are fine: the
+          graph is keyed on their values, so its host buffers hold them
+          already from its last replay;
+        * the allocator has given no memory back to the driver since the
+          graph's addresses last held its inputs (:func:`cagrad.native.
+          device_frees_fn`, native allocator only): every address it reads is
+          still mapped, whatever tensor holds it now;
+        * the last replay was the one predicted (the graph that followed the
+          previous one the time before), so a miss costs at most one extra
+          replay before the prediction is trusted again;
+        * the outputs handed out after its last replay are dead or moved
+          (:func:`cagrad.native.reclaim_fn`), as before any replay.
+        """
+        if not (EARLY_REPLAY and self.confident) or self.early_off or self.disabled is not None:
+            return False
+        last = self.last
+        if last is None:
+            return False
+        predicted = last.next or last
+        if predicted.frees is None:
+            return False
+        early_copies = []
+        if predicted.copies_device:
+            for bufs, at in predicted.copies:
+                if bufs[0].device.type != "cuda":
+                    continue
+                sources = [known.get(i) for i in at]
+                if not all(t is not None and _fits(t, buf) for t, buf in zip(sources, bufs)):
+                    return False
+                early_copies.append((bufs, sources))
+        frees = native.device_frees_fn()
+        reclaim = native.reclaim_fn()
+        if frees is None or reclaim is None:
+            return False
+        try:
+            if frees(predicted.device) != predicted.frees:
+                return False  # memory given back since: an address may be unmapped
+            if predicted.handed is not None:
+                if not reclaim(predicted.handed, predicted.outputs):
+                    return False  # a view of an output lives: the call says so
+                predicted.handed = None
+            for bufs, sources in early_copies:
+                torch._foreach_copy_(bufs, sources)
+            predicted.graph.replay()
+        except Exception as e:  # noqa: BLE001 - the call that follows replays as usual
+            self.early_off = f"{type(e).__name__}: {e}"
+            log.info("cagrad: no early replays for this compiled backward: %s", self.early_off)
+            return False
+        self.pending = predicted
+        self.early = False
+        return True
+
+    def settle(self) -> None:
+        """Ends a backward that replayed early: counts the replay as used
+        (``cudagraph_early_replays``) or wasted (``cudagraph_wasted_replays``,
+        after which no guess is made until a prediction is right again)."""
+        if self.early:
+            counters.bump("cudagraph_early_replays")
+        else:
+            counters.bump("cudagraph_wasted_replays")
+            self.confident = False
+        self.pending = None
+        self.early = False
+
+    def _buffer_memory(self, device: torch.device) -> Any:
+        """Where the buffers of copied CUDA inputs are allocated: a memory
+        pool of their own (``torch.cuda.MemPool``), one per device and
+        compiled backward. Taken from the caching allocator's main pool they
+        would take blocks the next forward would have reused, so its
+        activations land at new addresses and the next call matches no graph
+        that reads them in place (the H100 transformer layer kept copying two
+        32 MiB activations on every replay)."""
+        if device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool"):
+            return contextlib.nullcontext()
+        pool = self.buffer_pools.get(device)
+        if pool is None:
+            pool = self.buffer_pools[device] = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(pool, device)
 
     def _record(
         self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool], params: list[bool]
@@ -461,14 +698,15 @@ class CudaGraphed:
                 args.append(t)
                 buffers.append(None)  # no reference kept: the input may die
             else:
-                buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+                with self._buffer_memory(t.device):
+                    buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
                 buf.copy_(t)
                 args.append(buf)
                 buffers.append(buf)
         graph = torch.cuda.CUDAGraph()
         # the capture runs on a side stream; wait for the copies above
         torch.cuda.current_stream().synchronize()
-        with torch.cuda.graph(graph):
+        with _capturing(graph):
             outputs = list(self.fn(args, list(sizes), [], [], []))
         del args
         in_place = {
@@ -480,7 +718,7 @@ class CudaGraphed:
             del outputs, graph
             return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
-        return _Recorded(graph, buffers, static, outputs)
+        return _Recorded(graph, buffers, static, outputs, torch.cuda.current_device())
 
 
-__all__ = ["LAYOUT_GRAPHS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]
+__all__ = ["EARLY_REPLAY", "LAYOUT_GRAPHS", "LAYOUT_RECORDS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]

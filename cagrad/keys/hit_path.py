@@ -101,6 +101,9 @@ class HitGuard:
         release_positions: the run positions of ``release_slots``, once
             each (whole nodes are released where the C++ extension is
             available: :func:`cagrad.autograd.saved_variables.release_nodes`).
+        last_entry: the CompiledEntry its last hit ran (the next hit most
+            likely runs it again: a CUDA-graphed one replays early,
+            :meth:`cagrad.compile.cuda_graphs.CudaGraphed.speculate`).
     """
 
     node: Any
@@ -108,6 +111,7 @@ class HitGuard:
     release_slots: list[tuple[int, str, int]]
     source: str
     release_positions: tuple[int, ...] = ()
+    last_entry: Any = None
 
     def __post_init__(self) -> None:
         self.release_positions = tuple(sorted({pos for pos, _, _ in self.release_slots}))

@@ -15,6 +15,7 @@
 #define CAGRAD_HAS_LAYOUT_CONTRACT 1
 #endif
 #include <ATen/core/grad_mode.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
@@ -877,6 +878,27 @@ static PyObject* reclaim(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// device_frees(device: int) -> int: how many times the CUDA caching allocator
+// has given memory of this device back to the driver (cudaFree, or pages of
+// an expandable segment unmapped): its DeviceStats.num_device_free. While the
+// count stands still, every address the allocator handed out since it last
+// moved is still mapped; a CUDA graph may read it before the graph's inputs
+// are confirmed (cagrad/compile/cuda_graphs.py, early replays). Raises
+// RuntimeError (torch's) where there is no CUDA allocator.
+static PyObject* device_frees(PyObject*, PyObject* arg) {
+  long index = PyLong_AsLong(arg);
+  if (index == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  try {
+    auto* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+    return PyLong_FromLongLong(allocator->getDeviceStats(static_cast<c10::DeviceIndex>(index)).num_device_free);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 static PyMethodDef methods[] = {
     {"reclaim", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reclaim)), METH_FASTCALL, nullptr},
     {"stealable", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(stealable)), METH_FASTCALL, nullptr},
@@ -893,6 +915,7 @@ static PyMethodDef methods[] = {
     {"counts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(counts)), METH_FASTCALL, nullptr},
     {"release", release, METH_O, nullptr},
     {"hookless", hookless, METH_O, nullptr},
+    {"device_frees", device_frees, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};

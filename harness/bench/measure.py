@@ -20,6 +20,7 @@ from .workloads import Workload
 
 WARMUP = 3  # the first backward captures and compiles; the rest are hits
 PROFILED = 5  # CUDA: backwards run under the profiler after the timed ones
+OVERHEAD_ITERS = 10  # cagrad: fewest backwards that time its overhead, after the timed ones
 
 
 @dataclasses.dataclass
@@ -33,6 +34,11 @@ class Cell:
             engine, from torch's call of ``run_backward`` to its return,
             minus the compiled graph's call) per node, in microseconds: the
             guard or full collection, the lookup, accumulation and release.
+            Timed in backwards of their own after the timed ones (at least
+            ``OVERHEAD_ITERS``, half as many): on CUDA the graph's call is
+            timed between two synchronizations, which ``ms`` must not
+            include; GPU work queued before the call (a CUDA graph replayed
+            before the guard) counts as the call's.
             torch's Python front end before it (``torch.autograd.backward``,
             the root gradient's ``ones_like``), which eager runs the same
             way, is not counted: 9 to 70 us of a 20-node CPU backward, more
@@ -51,7 +57,8 @@ class Cell:
             backward launched (ms; CUPTI through ``torch.profiler``, kernels
             inside a replayed CUDA graph included): the GPU's own work, the
             floor that removing all host overhead (a CUDA graph) could reach.
-        counters: cagrad's counters after the run (captures, hits, ...).
+        counters: cagrad's counters after the timed backwards (captures,
+            hits, ...).
         error: what went wrong, if the cell could not be measured.
     """
 
@@ -91,11 +98,12 @@ def _device_ms(workload: Workload, subject: Subject, model: Any) -> float:
 
 def _timed(fn: Any, spans: list[float], device: str) -> Any:
     """``fn`` that appends each call's duration (s) to ``spans``; on CUDA the
-    device is synchronized before and after, so the span holds its work."""
+    device is synchronized before and after, both inside the span, so the
+    span holds its work and any queued before it."""
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        _sync(device)
         start = time.perf_counter()
+        _sync(device)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -123,15 +131,12 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
         cell.nodes = _node_count(workload.step(model))
         for _ in range(WARMUP):
             backward_in(subject, workload.step(model))
-        runtime.call_whole = timed_call
-        cagrad_engine._engine.run_backward = timed_run_backward  # the instance's, ahead of the class's
         gc.collect()
         totals = []
         records_at_start = cagrad.counters["cudagraph_records"]
         for _ in range(iters):
             records_before = cagrad.counters["cudagraph_records"]
             loss = workload.step(model)
-            calls_before, spans_before = len(calls), len(engine_spans)
             _sync(device)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -145,23 +150,38 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
                 cell.peak_mib = max(cell.peak_mib or 0.0, peak)
                 if subject.is_cagrad and cagrad.counters["cudagraph_records"] == records_before:
                     cell.peak_steady_mib = max(cell.peak_steady_mib or 0.0, peak)
-            if subject.is_cagrad and len(calls) == calls_before + 1 and len(engine_spans) == spans_before + 1:
-                calls[-1] = engine_spans[-1] - calls[-1]  # cagrad's overhead in this backward
-            elif subject.is_cagrad:
-                del calls[calls_before:]
-        cell.ms = statistics.median(totals) * 1e3
         if subject.is_cagrad:
             cell.records_timed = cagrad.counters["cudagraph_records"] - records_at_start
-        if subject.is_cagrad and calls:
-            cell.overhead_us_per_node = statistics.median(calls) * 1e6 / max(cell.nodes, 1)
-        if subject.is_cagrad:
             snap = cagrad.counters.snapshot()
             cell.counters = {k: snap[k] for k in ("captures", "cache_hits", "guard_hits", "fallbacks")}
             if snap["fallbacks"]:
                 cell.counters["fallback_reasons"] = snap["fallback_reasons"]
-            for k in ("cudagraph_records", "cudagraph_replays", "cudagraph_skip_reasons"):
+            for k in (
+                "cudagraph_records", "cudagraph_replays", "cudagraph_early_replays", "cudagraph_wasted_replays",
+                "cudagraph_evictions", "cudagraph_skip_reasons",
+            ):
                 if snap.get(k):  # reduce-overhead: whether the backward replayed a CUDA graph
                     cell.counters[k] = snap[k]
+            # cagrad's overhead, in backwards of their own: the wrappers that
+            # time it synchronize the GPU around the graph's call, which the
+            # timed backwards above must not do
+            runtime.call_whole = timed_call
+            cagrad_engine._engine.run_backward = timed_run_backward  # the instance's, ahead of the class's
+            for _ in range(max(OVERHEAD_ITERS, iters // 2)):
+                loss = workload.step(model)
+                _sync(device)
+                calls_before, spans_before = len(calls), len(engine_spans)
+                backward_in(subject, loss)
+                _sync(device)
+                if len(calls) == calls_before + 1 and len(engine_spans) == spans_before + 1:
+                    calls[-1] = engine_spans[-1] - calls[-1]  # cagrad's overhead in this backward
+                else:
+                    del calls[calls_before:]
+            runtime.call_whole = real_call
+            cagrad_engine._engine.__dict__.pop("run_backward", None)
+        cell.ms = statistics.median(totals) * 1e3
+        if subject.is_cagrad and calls:
+            cell.overhead_us_per_node = statistics.median(calls) * 1e6 / max(cell.nodes, 1)
         if device == "cuda":
             runtime.call_whole = real_call
             cell.gpu_ms = statistics.median(_device_ms(workload, subject, model) for _ in range(PROFILED))
