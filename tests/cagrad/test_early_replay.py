@@ -21,13 +21,6 @@ from cagrad.compile import cuda_graphs
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    cagrad.reset()
-    yield
-    cagrad.reset()
-
-
 class _StandInGraph:
     """A ``torch.cuda.CUDAGraph`` stand-in that counts its replays."""
 
