@@ -644,8 +644,9 @@ class CudaGraphed:
                 if not reclaim(predicted.handed, predicted.outputs):
                     return False  # a view of an output lives: the call says so
                 predicted.handed = None
-            for bufs, sources in early_copies:
-                torch._foreach_copy_(bufs, sources)
+            with torch.no_grad():  # a root gradient may require grad; the buffer must not
+                for bufs, sources in early_copies:
+                    torch._foreach_copy_(bufs, sources)
             predicted.graph.replay()
         except Exception as e:  # noqa: BLE001 - the call that follows replays as usual
             self.early_off = f"{type(e).__name__}: {e}"

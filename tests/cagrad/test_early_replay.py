@@ -122,9 +122,10 @@ def test_a_copied_root_gradient_is_copied_before_the_early_replay(allocator) -> 
     assert not graphed.speculate({})  # the input it copies is not known yet
     assert not graphed.speculate({0: torch.ones(2).as_subclass(_CudaBuffer)})  # another shape
     assert a.graph.replays == 0
-    grad = torch.full((1,), 7.0).as_subclass(_CudaBuffer)
+    grad = torch.full((1,), 7.0, requires_grad=True).as_subclass(_CudaBuffer)  # backward(gradient=g) with g requiring grad
     assert graphed.speculate({0: grad})
     assert a.graph.replays == 1 and a.buffers[0].item() == 7.0
+    assert not a.buffers[0].requires_grad and a.buffers[0].grad_fn is None
 
 
 @pytest.mark.parametrize("case", ["memory_given_back", "graph_copies_inputs", "view_alive", "off"])
