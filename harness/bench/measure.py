@@ -119,14 +119,6 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
     cagrad.reset()
     model = subject.wrap(workload.model)
     cell = Cell()
-    calls: list[float] = []
-    real_call = runtime.call_whole
-    engine_spans: list[float] = []
-    # the graph's call waits for the GPU on both sides; the engine's span
-    # does not (the forward's queued work is not cagrad's)
-    timed_call = _timed(real_call, calls, device)
-    timed_run_backward = _timed(cagrad_engine._engine.run_backward, engine_spans, "cpu")
-
     try:
         cell.nodes = _node_count(workload.step(model))
         for _ in range(WARMUP):
@@ -162,32 +154,43 @@ def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Ce
             ):
                 if snap.get(k):  # reduce-overhead: whether the backward replayed a CUDA graph
                     cell.counters[k] = snap[k]
-            # cagrad's overhead, in backwards of their own: the wrappers that
-            # time it synchronize the GPU around the graph's call, which the
-            # timed backwards above must not do
-            runtime.call_whole = timed_call
-            cagrad_engine._engine.run_backward = timed_run_backward  # the instance's, ahead of the class's
-            for _ in range(max(OVERHEAD_ITERS, iters // 2)):
-                loss = workload.step(model)
-                _sync(device)
-                calls_before, spans_before = len(calls), len(engine_spans)
-                backward_in(subject, loss)
-                _sync(device)
-                if len(calls) == calls_before + 1 and len(engine_spans) == spans_before + 1:
-                    calls[-1] = engine_spans[-1] - calls[-1]  # cagrad's overhead in this backward
-                else:
-                    del calls[calls_before:]
-            runtime.call_whole = real_call
-            cagrad_engine._engine.__dict__.pop("run_backward", None)
+            overheads = _overheads(workload, subject, model, device, max(OVERHEAD_ITERS, iters // 2))
+            if overheads:
+                cell.overhead_us_per_node = statistics.median(overheads) * 1e6 / max(cell.nodes, 1)
         cell.ms = statistics.median(totals) * 1e3
-        if subject.is_cagrad and calls:
-            cell.overhead_us_per_node = statistics.median(calls) * 1e6 / max(cell.nodes, 1)
         if device == "cuda":
-            runtime.call_whole = real_call
             cell.gpu_ms = statistics.median(_device_ms(workload, subject, model) for _ in range(PROFILED))
     except Exception as e:  # noqa: BLE001 - a failing cell is reported, the rest run
         cell.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return cell
+
+
+def _overheads(workload: Workload, subject: Subject, model: Any, device: str, n: int) -> list[float]:
+    """cagrad's overhead (s) in each of ``n`` backwards of their own: the
+    time inside its engine minus the compiled graph's call (backwards that
+    made no single whole-graph call are left out). The wrappers that time
+    them synchronize the GPU around the graph's call, which the timed
+    backwards must not do."""
+    calls: list[float] = []
+    engine_spans: list[float] = []
+    real_call = runtime.call_whole
+    # the graph's call waits for the GPU on both sides; the engine's span
+    # does not (the forward's queued work is not cagrad's)
+    runtime.call_whole = _timed(real_call, calls, device)
+    # the instance's attribute, ahead of the class's method
+    cagrad_engine._engine.run_backward = _timed(cagrad_engine._engine.run_backward, engine_spans, "cpu")
+    try:
+        for _ in range(n):
+            loss = workload.step(model)
+            _sync(device)
+            calls_before, spans_before = len(calls), len(engine_spans)
+            backward_in(subject, loss)
+            _sync(device)
+            if len(calls) == calls_before + 1 and len(engine_spans) == spans_before + 1:
+                calls[-1] = engine_spans[-1] - calls[-1]  # cagrad's overhead in this backward
+            else:
+                del calls[calls_before:]
     finally:
         runtime.call_whole = real_call
         cagrad_engine._engine.__dict__.pop("run_backward", None)
-    return cell
+    return calls

@@ -60,9 +60,7 @@ def allocator(monkeypatch):
 
 
 def _graphed() -> cuda_graphs.CudaGraphed:
-    graphed = cuda_graphs.CudaGraphed(lambda *args: [])
-    graphed.host = cuda_graphs._HostInputs([], frozenset())  # no input on the host
-    return graphed
+    return cuda_graphs.CudaGraphed(lambda *args: [])
 
 
 def test_a_guess_needs_a_right_prediction_first(allocator) -> None:
