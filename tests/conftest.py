@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+
+import cagrad
+from cagrad import engine
 
 os.environ.setdefault("CAGRAD_VERIFY_GUARDS", "1")
 
@@ -71,6 +76,36 @@ def examples(n: int) -> int:
 
 
 settings.load_profile(profile_name())
+
+
+@pytest.fixture(autouse=True)
+def isolated_cagrad(monkeypatch):
+    """Every test starts with empty caches, zero counters, seed 0 and no disk
+    cache unless it asks for one (a ``CAGRAD_CACHE_DIR`` in the environment
+    would turn captures into disk hits across tests), and ends with no
+    cagrad context open.
+
+    It lives here, for the whole suite, rather than in a sub-folder's
+    conftest: some pytest versions (the H100 machine's) leave a sub-folder
+    conftest's autouse fixtures off when the command line names that
+    folder's files, then another folder's, then the first folder's again.
+
+    A test that leaves a context open fails at teardown (the contexts it
+    left in this thread are shut, so that the next test runs eager).
+    """
+    monkeypatch.delenv("CAGRAD_CACHE_DIR", raising=False)
+    cagrad.reset()
+    torch.manual_seed(0)
+    yield
+    cagrad.reset()
+    left = 0
+    while engine.active():
+        engine.pop(engine._stack()[-1])
+        left += 1
+    if left:
+        pytest.fail(f"the test left {left} cagrad.enable context(s) open in this thread (shut now)")
+    if torch.autograd.Variable._execution_engine is not engine.eager_engine():
+        pytest.fail("the test left a cagrad.enable context open in another thread: later backwards run under cagrad")
 
 
 def pytest_report_header(config) -> str:

@@ -30,13 +30,6 @@ EXACT = {"rtol": 0.0, "atol": 0.0}
 INDUCTOR = {"rtol": 1.3e-6 * 8, "atol": 1e-5 * 2}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_cagrad():
-    cagrad.reset()
-    yield
-    cagrad.reset()
-
-
 def _train(model, make_batch, steps, backward):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []

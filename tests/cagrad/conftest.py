@@ -6,18 +6,6 @@ import torch
 import cagrad
 
 
-@pytest.fixture(autouse=True)
-def fresh_cagrad(monkeypatch):
-    """Every core test starts with an empty cache and zero counters, and no
-    disk cache unless it asks for one (a ``CAGRAD_CACHE_DIR`` in the
-    environment would turn captures into disk hits across tests)."""
-    monkeypatch.delenv("CAGRAD_CACHE_DIR", raising=False)
-    cagrad.reset()
-    torch.manual_seed(0)
-    yield
-    cagrad.reset()
-
-
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> None:
     """Bitwise equality, None included: eager and the eager/aot_eager
     backends run the same aten kernels in the same order."""

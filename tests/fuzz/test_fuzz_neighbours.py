@@ -42,16 +42,7 @@ def plant(monkeypatch: pytest.MonkeyPatch, node: str, attr: str) -> None:
 
 
 @pytest.fixture
-def fresh_cagrad() -> Any:
-    """Empties cagrad's caches before and after, so that no entry compiled
-    under a planted fault outlives the test."""
-    cagrad.reset()
-    yield
-    cagrad.reset()
-
-
-@pytest.fixture
-def softmax_dim_left_out(monkeypatch: pytest.MonkeyPatch, fresh_cagrad: None) -> Any:
+def softmax_dim_left_out(monkeypatch: pytest.MonkeyPatch) -> Any:
     plant(monkeypatch, "SoftmaxBackward0", "dim")
     yield
     monkeypatch.undo()
@@ -142,7 +133,7 @@ def test_alias_neighbours_split_and_merge_saved_tensors() -> None:
 
 
 @pytest.fixture
-def one_fake_per_tensor(monkeypatch: pytest.MonkeyPatch, fresh_cagrad: None) -> Any:
+def one_fake_per_tensor(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Plants the fault the alias neighbours were added for: a tensor
     lifted at two positions gets one fake, so the graph reads one position
     for both (what static captures did before the fix)."""
@@ -169,7 +160,7 @@ def test_oracle_finds_a_graph_that_reads_one_saved_copy_for_another(one_fake_per
     assert (check.status, check.hit, check.kind) == ("cache", True, "alias")
 
 
-def test_alias_neighbours_agree_without_the_fault(fresh_cagrad: None) -> None:
+def test_alias_neighbours_agree_without_the_fault() -> None:
     verdict = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=2).run(SAVED_TWICE)
     assert verdict.ok, verdict.report.summary()
     assert [(c.kind, c.hit) for c in verdict.neighbours][0] == ("alias", True)
@@ -199,7 +190,7 @@ def test_oracle_neighbours_agree_without_the_fault() -> None:
 
 
 def test_a_campaign_of_generated_programs_finds_the_planted_fault(
-    monkeypatch: pytest.MonkeyPatch, fresh_cagrad: None
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As a campaign would: generated programs (whole catalog), 2
     neighbours, stop at the first failure, within 300 programs (bounded by
