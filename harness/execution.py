@@ -4,7 +4,11 @@
 seed (the caller's RNG state is restored afterwards), runs its backward inside
 the subject's context, and snapshots everything the oracle compares: copies
 of the leaf ``.grad`` s, of the ``autograd.grad`` results and of the hook
-trace, plus the subject's counter deltas. Exceptions are captured, never
+trace, plus the subject's counter deltas. A subject with
+:attr:`~harness.subjects.Subject.steps` above 1 (CUDA graphs: a warm-up, a
+recording, replays) runs the program that many times in a row, each build
+fresh under the same seed, its state kept between them; every step's
+values are kept for the oracle. Exceptions are captured, never
 propagated, except that a failing ``build`` is flagged as such so that the
 runner can tell a broken program from a broken engine.
 """
@@ -24,6 +28,16 @@ from harness.subjects import Subject, counter_deltas, graph_nodes
 
 
 @dataclasses.dataclass
+class StepValues:
+    """The compared values of one step before the last (see
+    :attr:`Execution.earlier`); fields as :class:`Execution`'s."""
+
+    leaf_grads: list[torch.Tensor | None]
+    grad_results: list[torch.Tensor | None] | None
+    trace: list[Any]
+
+
+@dataclasses.dataclass
 class Execution:
     """What one run produced.
 
@@ -36,6 +50,9 @@ class Execution:
             in mode ``"backward"``.
         trace: a copy of ``ProgramRun.trace`` (tensors cloned, containers
             copied).
+        earlier: subjects with ``steps`` > 1: the values of each step
+            before the last, in order (the fields above are the last
+            step's); empty otherwise.
         error: the exception, reduced to text; ``exc_type`` is its class.
         phase: where the exception happened: ``"reset"``, ``"build"`` or
             ``"backward"`` (``None`` without one).
@@ -59,6 +76,7 @@ class Execution:
     leaf_grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     grad_results: list[torch.Tensor | None] | None = None
     trace: list[Any] = dataclasses.field(default_factory=list)
+    earlier: list[StepValues] = dataclasses.field(default_factory=list)
     error: ErrorInfo | None = None
     exc_type: type[BaseException] | None = None
     phase: str | None = None
@@ -103,43 +121,63 @@ def execute(
     from the previous run: the later variants of a size sequence run so.
     ``probe_sizes`` fills :attr:`Execution.static_sizes`, ``size_values``
     and ``node_types`` (size sequences)."""
-    out = Execution()
-    phase = "reset"
+    out = Execution(phase="reset")
     start = time.perf_counter()
     try:
         if reset:
             subject.reset()
-        phase = "build"
-        with seeded(device, seed):
-            run = program.build(device)
-            out.mode = run.mode
-            out.value_dtypes = _floating_dtypes([*run.leaves, *run.outputs])
-            synchronize(device)
-            phase = "backward"
-            if probe_sizes:
-                probe = subject.size_probe(run)
-                out.static_sizes, out.size_values = probe.static, probe.size_values
-                out.node_types = tuple(sorted(type(n).__name__ for n in graph_nodes(run.outputs)))
-            before = subject.counters()
-            try:
-                result = subject.run(run)
-                synchronize(device)
-            finally:
-                out.counts, out.fallback_reasons = counter_deltas(before, subject.counters())
-        out.leaf_grads = [snapshot(leaf.grad) for leaf in run.leaves]
-        if run.mode == "grad":
-            out.grad_results = [snapshot(g) for g in (result or ())]
-        out.trace = snapshot(list(run.trace))
+        steps = max(1, int(getattr(subject, "steps", 1)))
+        for step in range(steps):
+            values = _step(out, subject, program, device, seed, probe_sizes and step == 0)
+            if step < steps - 1:
+                out.earlier.append(values)
+            else:
+                out.leaf_grads, out.grad_results, out.trace = values.leaf_grads, values.grad_results, values.trace
+        out.phase = None
     except Exception as exc:
         out.error = ErrorInfo.from_exception(exc)
         out.exc_type = type(exc)
-        out.phase = phase
         try:
             subject.reset()  # leave no half-finished state to the next subject
         except Exception:
             pass
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _step(
+    out: Execution, subject: Subject, program: Program, device: torch.device, seed: int, probe_sizes: bool
+) -> StepValues:
+    """Builds ``program`` afresh and runs its backward once under
+    ``subject``; counter deltas add up in ``out``, and ``out.phase`` says
+    where it is (``"build"``, then ``"backward"``). Raises what the build or
+    the backward raises."""
+    with seeded(device, seed):
+        out.phase = "build"
+        run = program.build(device)
+        out.mode = run.mode
+        out.value_dtypes = _floating_dtypes([*run.leaves, *run.outputs])
+        synchronize(device)
+        out.phase = "backward"
+        if probe_sizes:
+            probe = subject.size_probe(run)
+            out.static_sizes, out.size_values = probe.static, probe.size_values
+            out.node_types = tuple(sorted(type(n).__name__ for n in graph_nodes(run.outputs)))
+        before = subject.counters()
+        try:
+            result = subject.run(run)
+            synchronize(device)
+        finally:
+            counts, reasons = counter_deltas(before, subject.counters())
+            for k, v in counts.items():
+                out.counts[k] = out.counts.get(k, 0) + v
+            for k, v in reasons.items():
+                out.fallback_reasons[k] = out.fallback_reasons.get(k, 0) + v
+    return StepValues(
+        [snapshot(leaf.grad) for leaf in run.leaves],
+        [snapshot(g) for g in (result or ())] if run.mode == "grad" else None,
+        snapshot(list(run.trace)),
+    )
 
 
 def _floating_dtypes(tensors: list[Any]) -> tuple[torch.dtype, ...]:

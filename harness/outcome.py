@@ -87,7 +87,9 @@ class Mismatch:
     Attributes:
         where: which value: ``"leaf 2 .grad"``, ``"grad result 0"``,
             ``"trace[3]"``, ``"trace[3][1]"`` (a tensor nested in a trace
-            event), ``"trace length"`` or ``"exception"``.
+            event), ``"trace length"`` or ``"exception"``; a subject that
+            runs the program several times prefixes the step
+            (``"step 2/4: leaf 0 .grad"``).
         detail: one sentence saying what differs.
         max_abs: greatest ``|subject - eager|`` over the tensor's elements, in
             the tensor's units (``inf`` where one side is NaN/inf and the other

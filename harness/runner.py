@@ -11,7 +11,7 @@ import torch
 from harness.capture_rule import SizeVariant, allowed_captures, check_captures, size_classes
 from harness.compare import compare_tensor_lists, compare_trace
 from harness.devices import resolve_devices
-from harness.execution import Execution, execute
+from harness.execution import Execution, StepValues, execute
 from harness.outcome import DifferentialReport, Mismatch, Outcome, Status
 from harness.program import Program
 from harness.subjects import EagerSubject, Subject, resolve_subjects
@@ -44,7 +44,9 @@ def judge(
        modes: ``autograd.grad`` must leave ``.grad`` alone), ``trace[i]``;
        each by the loosest tolerance among its own dtype and the floating
        dtypes of the program's leaves and outputs
-       (:attr:`harness.execution.Execution.value_dtypes`).
+       (:attr:`harness.execution.Execution.value_dtypes`). A subject
+       that runs the program several times (:attr:`Subject.steps`) has
+       every step compared with eager's one run.
     4. the subject fell back at least once: ``fallback``.
     5. otherwise ``equal``.
     """
@@ -87,14 +89,21 @@ def judge(
         return max([own, *others], key=lambda t: (t.rtol, t.atol))
 
     mismatches: list[Mismatch] = []
-    if reference.grad_results is not None or got.grad_results is not None:
+    steps = [*got.earlier, StepValues(got.leaf_grads, got.grad_results, got.trace)]
+    for k, step in enumerate(steps, 1):
+        # every step of a many-step subject (warm-up, recording, replays)
+        # against eager's one run; a one-step subject's labels stay as they were
+        at = f"step {k}/{len(steps)}: " if len(steps) > 1 else ""
+        if reference.grad_results is not None or step.grad_results is not None:
+            mismatches += compare_tensor_lists(
+                reference.grad_results or [], step.grad_results or [],
+                lambda i, at=at: f"{at}grad result {i}", tol, f"{at}grad result count",
+            )
         mismatches += compare_tensor_lists(
-            reference.grad_results or [], got.grad_results or [], lambda i: f"grad result {i}", tol, "grad result count"
+            reference.leaf_grads, step.leaf_grads, lambda i, at=at: f"{at}leaf {i} .grad", tol, f"{at}leaf count"
         )
-    mismatches += compare_tensor_lists(
-        reference.leaf_grads, got.leaf_grads, lambda i: f"leaf {i} .grad", tol, "leaf count"
-    )
-    mismatches += compare_trace(reference.trace, got.trace, tol, python_float_tolerance(subject.backend, device.type))
+        found = compare_trace(reference.trace, step.trace, tol, python_float_tolerance(subject.backend, device.type))
+        mismatches += [dataclasses.replace(m, where=at + m.where) for m in found] if at else found
     outcome.mismatches = mismatches
     if mismatches:
         outcome.status = Status.MISMATCH

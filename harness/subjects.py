@@ -15,6 +15,14 @@ A subject is selected by name:
 Both compiled families accept a second bracket item, ``dynamic`` or
 ``static``, passed as ``dynamic=True/False`` to their enable call
 (``"cagrad[aot_eager,dynamic]"``); without it each uses its own default.
+cagrad also accepts ``reduce-overhead`` there, alone or after the other
+(``"cagrad[inductor,reduce-overhead]"``,
+``"cagrad[inductor,dynamic,reduce-overhead]"``): ``cagrad.enable(...,
+mode="reduce-overhead")``, CUDA graphs. A CUDA graph is recorded on a
+backward's second call at its sizes and replayed from the third on, so that
+subject runs each program :data:`CUDA_GRAPH_STEPS` times (a warm-up, a
+recording, two replays, the last of them started before its guard ran),
+and the oracle compares every one of them with eager.
 
 A subject resets its engine's state before every run (``cagrad.reset()``,
 ``compiled_autograd.reset()``, ``torch._dynamo.reset()``) and reports counter
@@ -36,6 +44,12 @@ from harness.capture_rule import CaptureRule
 from harness.program import ProgramRun, run_backward
 
 KNOWN_BACKENDS = ("eager", "aot_eager", "inductor")
+
+CUDA_GRAPH_STEPS = 4
+"""Runs of each program under a ``reduce-overhead`` subject: the warm-up
+(the backend compiles), the recording (and its first replay), a replay that
+teaches the graph's replay history, and a replay started early
+(:meth:`cagrad.compile.cuda_graphs.CudaGraphed.speculate`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +84,10 @@ class Subject:
 
     name: str = "eager"
     backend: str | None = None
+    #: How many times :func:`harness.execution.execute` builds the program
+    #: and runs its backward in a row, the subject's state kept between
+    #: them (each step is compared with eager's one run).
+    steps: int = 1
     #: A peer is an engine the harness compares against eager for
     #: information (torch's own compiled autograd): its failures are
     #: reported, but they do not fail a suite that tests cagrad.
@@ -124,10 +142,13 @@ class EagerSubject(Subject):
         self.name = name
 
 
-def _bracket(family: str, backend: str, dynamic: bool | None) -> str:
-    if dynamic is None:
-        return f"{family}[{backend}]"
-    return f"{family}[{backend},{'dynamic' if dynamic else 'static'}]"
+def _bracket(family: str, backend: str, dynamic: bool | None, mode: str | None = None) -> str:
+    items = [backend]
+    if dynamic is not None:
+        items.append("dynamic" if dynamic else "static")
+    if mode is not None:
+        items.append(mode)
+    return f"{family}[{','.join(items)}]"
 
 
 class CagradSubject(Subject):
@@ -141,10 +162,12 @@ class CagradSubject(Subject):
     the harness.
     """
 
-    def __init__(self, backend: str = "eager", dynamic: bool | None = None) -> None:
+    def __init__(self, backend: str = "eager", dynamic: bool | None = None, mode: str | None = None) -> None:
         self.backend = backend
         self.dynamic = dynamic
-        self.name = _bracket("cagrad", backend, dynamic)
+        self.mode = mode  # cagrad.enable's mode: None or "reduce-overhead"
+        self.steps = CUDA_GRAPH_STEPS if mode == "reduce-overhead" else 1
+        self.name = _bracket("cagrad", backend, dynamic, mode)
 
     @staticmethod
     def _cagrad() -> Any:
@@ -219,7 +242,9 @@ class CagradSubject(Subject):
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         cagrad = self._cagrad()
-        kwargs = {} if self.dynamic is None else {"dynamic": self.dynamic}
+        kwargs: dict[str, Any] = {} if self.dynamic is None else {"dynamic": self.dynamic}
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
         with cagrad.enable(self.backend, **kwargs):
             yield
 
@@ -309,7 +334,10 @@ def counter_deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple
     return counts, reasons
 
 
-_NAME = re.compile(r"^(?P<family>[a-z_]+)(?:\[(?P<backend>[A-Za-z0-9_.\-]+)(?:,(?P<mode>dynamic|static))?\])?$")
+_NAME = re.compile(
+    r"^(?P<family>[a-z_]+)(?:\[(?P<backend>[A-Za-z0-9_.\-]+)(?:,(?P<mode>dynamic|static))?"
+    r"(?:,(?P<graphs>reduce-overhead))?\])?$"
+)
 
 _FAMILIES = {"cagrad": CagradSubject, "torch_ca": TorchCompiledAutogradSubject}
 
@@ -334,13 +362,14 @@ def make_subject(name: str) -> Subject:
     """The subject a name selects (see the module docstring for the grammar).
 
     Raises:
-        ValueError: the name does not parse, names an unknown family, or
-            gives a backend to ``eager`` / omits it for a compiled family.
+        ValueError: the name does not parse, names an unknown family,
+            gives a backend to ``eager`` / omits it for a compiled family, or
+            gives ``reduce-overhead`` to a family other than cagrad.
     """
     m = _NAME.match(name.replace(" ", ""))
     if not m:
         raise ValueError(f"bad subject name {name!r}; expected e.g. 'eager', 'cagrad[aot_eager]', 'torch_ca[eager]'")
-    family, backend, mode = m["family"], m["backend"], m["mode"]
+    family, backend, mode, graphs = m["family"], m["backend"], m["mode"], m["graphs"]
     if family == "eager":
         if backend is not None:
             raise ValueError(f"subject 'eager' takes no backend (got {name!r})")
@@ -350,6 +379,10 @@ def make_subject(name: str) -> Subject:
     if backend is None:
         raise ValueError(f"subject {name!r} needs a backend, e.g. {family}[eager]")
     dynamic = None if mode is None else mode == "dynamic"
+    if graphs is not None:
+        if family != "cagrad":
+            raise ValueError(f"{graphs!r} is a cagrad mode; {family} takes only dynamic or static (got {name!r})")
+        return CagradSubject(backend, dynamic, graphs)
     return _FAMILIES[family](backend, dynamic)
 
 

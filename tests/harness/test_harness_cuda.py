@@ -58,3 +58,17 @@ def test_cuda_error_parity():
     )
     assert report.eager_errors["cuda"].type == "RuntimeError"
     assert all(o.ok and o.error.type == "RuntimeError" for o in report.outcomes), report.summary()
+
+
+@pytest.mark.parametrize("mode", ["backward", "grad"])
+def test_cuda_graph_subject_records_replays_and_agrees_at_every_step(mode):
+    """The reduce-overhead subject's four steps on CUDA: a warm-up, a
+    recording, then replays (the last one early where the allocator gave
+    the same addresses back); each step equal to eager within inductor's
+    tolerance."""
+    report = harness.run_differential(
+        examples.mlp_program(mode), ["cagrad[inductor,reduce-overhead]"], devices="cuda"
+    )
+    (o,) = report.outcomes
+    assert o.status is Status.EQUAL, o.describe()
+    assert o.counts["cudagraph_records"] >= 1 and o.counts["cudagraph_replays"] >= 2, o.counts

@@ -63,6 +63,36 @@ class RetainsGraph(EagerSubject):
         return run_backward(run)
 
 
+class CorruptOneStep(CorruptLeafGrad):
+    """Test-only: runs each program ``steps`` times (as the CUDA-graph
+    subject does) and corrupts only step ``bad`` (1-based)."""
+
+    def __init__(self, steps: int, bad: int) -> None:
+        super().__init__(0, 0.25, "corrupt_one_step")
+        self.steps, self.bad, self.calls = steps, bad, 0
+
+    def reset(self) -> None:
+        self.calls = 0
+
+    def run(self, run):
+        self.calls += 1
+        if self.calls == self.bad:
+            return super().run(run)
+        return run_backward(run)
+
+
+@pytest.mark.parametrize("bad", [1, 2, 3])
+def test_a_wrong_step_of_a_many_step_subject_is_a_mismatch_naming_the_step(bad):
+    """A CUDA graph's warm-up, recording and replays are each compared with
+    eager: a wrong gradient in any one step fails the run, not only in the
+    last, and the mismatch says which step."""
+    report = harness.run_differential(examples.mlp_program("backward"), [CorruptOneStep(3, bad)], devices="cpu")
+    bad_outcome = report.outcome("corrupt_one_step")
+    assert bad_outcome.status is Status.MISMATCH
+    assert [m.where for m in bad_outcome.mismatches] == [f"step {bad}/3: leaf 0 .grad"]
+    assert bad_outcome.mismatch.max_abs == pytest.approx(0.25, rel=1e-6)
+
+
 def test_corrupted_grad_is_a_mismatch_naming_the_leaf_with_numbers():
     prog = examples.mlp_program("backward")
     ref = harness.execute(EagerSubject(), prog, torch.device("cpu"))

@@ -21,7 +21,15 @@ def test_make_subject_parses_names():
     assert make_subject("cagrad[eager,dynamic]").dynamic is True
     e = make_subject("eager")
     assert isinstance(e, EagerSubject) and e.backend is None
-    for bad in ("cagrad", "eager[eager]", "nope[eager]", "cagrad[eager,fast]", ""):
+    graphed = make_subject("cagrad[inductor,dynamic,reduce-overhead]")
+    assert (graphed.backend, graphed.dynamic, graphed.mode) == ("inductor", True, "reduce-overhead")
+    assert graphed.name == "cagrad[inductor,dynamic,reduce-overhead]" and graphed.steps == 4
+    assert make_subject("cagrad[inductor,reduce-overhead]").dynamic is None
+    assert s.steps == 1 and t.steps == 1
+    for bad in (
+        "cagrad", "eager[eager]", "nope[eager]", "cagrad[eager,fast]", "",
+        "torch_ca[inductor,reduce-overhead]", "cagrad[inductor,reduce-overhead,dynamic]",
+    ):
         with pytest.raises(ValueError):
             make_subject(bad)
 
@@ -91,3 +99,15 @@ def test_cagrad_counts_are_per_run_and_cagrad_is_inactive_afterwards():
     (w * 2).sum().backward()
     assert cagrad.counters["captures"] == before["captures"]
     assert cagrad.counters["backwards"] == before["backwards"]
+
+
+def test_a_cuda_graph_subject_runs_each_program_four_times_on_one_cache():
+    """On the CPU no graph is recorded (each compiled backward is counted as
+    run without one), but the steps still share one cache: one capture, three
+    hits, every step equal to eager."""
+    outcome = harness.run_differential(
+        examples.mlp_program("backward"), ["cagrad[aot_eager,reduce-overhead]"], devices="cpu"
+    ).outcomes[0]
+    assert outcome.status is Status.EQUAL, outcome.describe()
+    assert (outcome.counts["backwards"], outcome.captures, outcome.counts["cache_hits"]) == (4, 1, 3)
+    assert outcome.counts["cudagraph_records"] == 0 and outcome.counts["cudagraph_skips"] == 4
