@@ -8,6 +8,7 @@ that no guess is made after the allocator gave memory back."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -260,6 +261,36 @@ def test_no_early_replay_after_the_allocator_gave_memory_back() -> None:
     early.append(cagrad.counters["cudagraph_early_replays"])
     assert early[8] > early[7], early  # steady before
     assert early[9] == early[8], early  # step 8 ran after memory went back: no guess
+
+
+@cuda
+def test_a_root_gradient_that_requires_grad_is_copied_for_early_replays() -> None:
+    """``backward(gradient=g)`` with a new ``g`` every step, one that
+    requires grad and is kept (so each one is at a new address and the graph
+    copies it in): the early replays copy it first, the gradients are
+    eager's, and ``g`` stays a plain leaf with no gradient, as in eager."""
+    gc.collect()
+    torch.manual_seed(5)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32, device="cuda")
+    kept = []
+
+    def step(m: nn.Module, graphed: bool, k: int) -> list:
+        m.zero_grad(set_to_none=True)
+        out = m(x)
+        g = torch.full_like(out, 0.5 + k).requires_grad_()
+        kept.append(g)
+        with cagrad.enable("inductor", mode="reduce-overhead") if graphed else contextlib.nullcontext():
+            out.backward(g)
+        assert g.grad is None and g.grad_fn is None and g.is_leaf
+        return [p.grad.cpu() for p in m.parameters()]
+
+    for k in range(10):
+        expected, got = step(reference, False, k), step(model, True, k)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, msg=lambda m: f"step {k}: {m}")
+    assert cagrad.counters["cudagraph_early_replays"] >= 3, cagrad.counters.snapshot()
 
 
 def _graphs_at(graphed: cuda_graphs.CudaGraphed, size_key: tuple, statics: list[tuple], used: list[int]) -> list:
