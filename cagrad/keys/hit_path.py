@@ -368,6 +368,10 @@ class _Generator:
             t = next(self._lifted)
             self.emit(f"g = grads[{i}]")
             self.fail_if("g is None")
+            if not t.requires_grad:
+                # the full path lifts a root gradient detached (no
+                # create_graph here): one that requires grad has the same key
+                self.emit("if g.requires_grad: g = g.detach()")
             self._tensor("g", t)
             self.emit("L.append(g.detach())" if t.requires_grad else "L.append(g)")
         for fn, input_nr in task.root_edges:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import cagrad
+from cagrad import engine
 from cagrad.compile import cuda_graphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -143,9 +144,25 @@ def test_small_cpu_inputs_are_recorded_by_value() -> None:
     model = _Scale()
     for v in [2.0, 2.0, 2.0, 3.0, 3.0, 2.0, 3.0, 2.0]:
         _scale_step_like_eager(model, torch.tensor(v))
-    assert cagrad.counters["cudagraph_records"] == 2, dict(cagrad.counters)
+    # a graph per value (more where the allocator moved x between steps: a
+    # graph for the new layout), each keyed on the value it reads
+    (graphed,) = _graphed_entries("eager")
+    values = {key[0][1][0] for key in graphed.graphs}  # (sizes, (host values, zero signs))
+    assert values == {(2.0,), (3.0,)}, list(graphed.graphs)
+    assert cagrad.counters["cudagraph_records"] >= 2, dict(cagrad.counters)
     assert cagrad.counters["cudagraph_replays"] >= 5
     assert "cpu_input" not in cagrad.counters["cudagraph_skip_reasons"]
+
+
+def _graphed_entries(backend: str) -> list:
+    """The CudaGraphed backwards compiled under ``backend`` in
+    reduce-overhead mode (static sizes by default)."""
+    stack, found = [engine.cache_for(backend, None, True)], []
+    while stack:
+        node = stack.pop()
+        found += [v.fn for v in node.variants if isinstance(v.fn, cuda_graphs.CudaGraphed)]
+        stack.extend(node.children.values())
+    return found
 
 
 @cuda

@@ -5,6 +5,7 @@ checked against the full collection."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 
@@ -21,9 +22,6 @@ from ..models import loss_fn, mlp
 @pytest.fixture(autouse=True)
 def _fresh():
     gc.collect()  # graphs with node hooks that earlier tests left in cycles
-    cagrad.reset()
-    yield
-    cagrad.reset()
 
 
 def _grads(fn, params, compiled, **enable):
@@ -52,6 +50,33 @@ def test_a_training_loop_hits_through_the_guard():
     for step in range(4):
         x, y = batch(step)
         _assert_same(lambda: loss_fn(model(x), y), params)
+    c = cagrad.counters
+    assert (c["captures"], c["cache_hits"], c["guard_hits"], c["fallbacks"]) == (1, 3, 3, 0)
+
+
+def test_a_root_gradient_that_requires_grad_hits_through_the_guard():
+    """``backward(gradient=g)`` with ``g`` requiring grad: the full path lifts
+    ``g`` detached, so its key is that of a plain ``g``; the guard accepts it
+    the same way, and ``g`` stays a leaf with no gradient, as in eager."""
+    torch.manual_seed(0)
+    model, batch = mlp()
+    params = list(model.parameters())
+    for step in range(4):
+        x, _ = batch(step)
+        out = model(x)
+
+        def root(compiled, step=step, out=out):
+            g = torch.full_like(out, 0.5 + step).requires_grad_()
+            for p in params:
+                p.grad = None
+            with cagrad.enable("eager") if compiled else contextlib.nullcontext():
+                out.backward(g, retain_graph=not compiled)
+            assert g.grad is None and g.is_leaf
+            return [p.grad.clone() for p in params]
+
+        want, got = root(False), root(True)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g)
     c = cagrad.counters
     assert (c["captures"], c["cache_hits"], c["guard_hits"], c["fallbacks"]) == (1, 3, 3, 0)
 
