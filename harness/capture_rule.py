@@ -33,8 +33,11 @@ over a dimension that grew):
 * ``dynamic=False`` (static first, then the sizes that changed become
   dynamic): at most one capture for a variant with a new 0/1 pattern or one
   that changes a size (against the first variant) that no earlier variant
-  changed to a value >= 2 (a size changed to 0 or 1 stays specialized);
-  none otherwise.
+  changed to a value >= 2 (a size changed to 0 or 1 stays specialized), or
+  whose size slots tie as those of no variant after the first (the first
+  graph is static: its ties bind no symbols, so ``[4, 5]``, ``[2, 2]``,
+  ``[8, 5]`` may capture three times, the second graph having one symbol
+  for both sizes); none otherwise.
 
 The check (:func:`check_captures`) is cumulative: after every variant, the
 captures so far must not exceed the captures allowed so far (a capture may
@@ -133,6 +136,7 @@ def allowed_captures(
     seen_graphs = {graphs[0]}
     dynamic_positions: set[int] = set()
     generalized: set[Hashable] = set()  # dynamic=None: (pattern, graph) captured symbolic
+    symbolic_graphs: set[Hashable] = set()  # dynamic=False: graphs of the variants after the first
     allowed = [1]
     for shapes, graph in zip(sequence[1:], graphs[1:]):
         shapes = tuple(shapes)
@@ -153,7 +157,13 @@ def allowed_captures(
         else:
             # same pattern: same ranks, so the flattened sizes line up
             changed = {i for i, (a, b) in enumerate(zip(_flat(first), _flat(shapes))) if a != b}
-            allowed.append(1 if new_pattern or not changed <= dynamic_positions else 0)
+            # the first graph is static, so its slots' equalities bind no
+            # symbols: a graph whose slots tie as only the first variant's
+            # did is new to the symbolic graphs ([4, 5], [2, 2] duck-sized to
+            # one symbol, then [8, 5])
+            untied = changed and graph not in symbolic_graphs
+            allowed.append(1 if new_pattern or untied or not changed <= dynamic_positions else 0)
+            symbolic_graphs.add(graph)
             if not new_pattern or len(_flat(first)) == len(_flat(shapes)):
                 dynamic_positions |= {i for i in changed if _flat(shapes)[i] >= 2}
         seen_shapes.add(shapes)

@@ -51,6 +51,20 @@ def test_static_rule_counts_each_new_set_of_changed_sizes() -> None:
     assert allowed_captures(a, dynamic=None) == [1, 1, 0, 0]
 
 
+def test_static_rule_ties_of_the_first_static_graph_bind_no_symbols() -> None:
+    """``[4, 5]`` (static), ``[2, 2]`` (both sizes changed: symbolic, and
+    duck-sized to one symbol), ``[8, 5]``: no graph fits, so the third
+    variant may capture under dynamic=False. With dynamic=True the first
+    graph has a symbol per size and fits it."""
+    seq = [((4, 5),), ((2, 2),), ((8, 5),)]
+    graphs = [("SumBackward0", size_classes(sizes)) for ((sizes),) in seq]
+    assert allowed_captures(seq, dynamic=False, graphs=graphs) == [1, 1, 1]
+    assert allowed_captures(seq, dynamic=True, graphs=graphs) == [1, 1, 0]
+    # a tie that a symbolic graph already had: no capture
+    seq4 = [*seq, ((6, 5),)]
+    assert allowed_captures(seq4, dynamic=False, graphs=[*graphs, ("SumBackward0", size_classes((6, 5)))]) == [1, 1, 1, 0]
+
+
 def test_other_ranks_or_counts_are_a_new_pattern() -> None:
     assert allowed_captures([((2, 3),), ((2, 3), (2,))], dynamic=True) == [1, 1]
 
