@@ -266,23 +266,25 @@ def test_no_early_replay_after_the_allocator_gave_memory_back() -> None:
 @cuda
 def test_a_root_gradient_that_requires_grad_is_copied_for_early_replays() -> None:
     """``backward(gradient=g)`` with another ``g`` every step, one that
-    requires grad: each ``g`` is a leaf over a row of one preallocated
-    block (so it is at a new address each step, which the graph must copy
-    in, while the allocator, which allocates nothing for it, keeps the
-    activations where they were). The early replays copy it first, the
-    gradients are eager's, and ``g`` stays a plain leaf with no gradient."""
+    requires grad: the ``g`` s are allocated before the loop (so each step's
+    is at a new address, which the graph must copy in, while the
+    allocator, which allocates nothing for them in the loop, keeps the
+    activations where they were; rows of one block would not do: their
+    storage offsets are sizes of the key). The early replays copy it first,
+    the gradients are eager's, and ``g`` stays a plain leaf with no
+    gradient."""
     gc.collect()
     torch.manual_seed(5)
     model = _mlp()
     reference = copy.deepcopy(model)
     x = torch.randn(16, 32, device="cuda")
     steps = 10
-    rows = torch.stack([torch.full((16, 8), 0.5 + k, device="cuda") for k in range(steps)])
+    roots = [torch.full((16, 8), 0.5 + k, device="cuda", requires_grad=True) for k in range(steps)]
 
     def step(m: nn.Module, graphed: bool, k: int) -> list:
         m.zero_grad(set_to_none=True)
         out = m(x)
-        g = rows[k].detach().requires_grad_()
+        g = roots[k]
         with cagrad.enable("inductor", mode="reduce-overhead") if graphed else contextlib.nullcontext():
             out.backward(g)
         assert g.grad is None and g.grad_fn is None and g.is_leaf
