@@ -80,6 +80,7 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
         "fallback_reasons": {},
         "fallback_samples": {},
         "sequence_captures": {},
+        "engine_counts": {},
         "rounds": 0,
         "shard": None,
         "throughput": {"programs_per_s": 0.0, "workers": 0},
@@ -95,7 +96,9 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
         merged["programs_run"] += r["programs_run"]
         merged["build_errors"] += r.get("build_errors", 0)
         merged["rounds"] += r.get("rounds", 0)
-        for field in ("op_counts", "feature_counts", "outcome_counts", "fallback_reasons", "sequence_captures"):
+        for field in (
+            "op_counts", "feature_counts", "outcome_counts", "fallback_reasons", "sequence_captures", "engine_counts",
+        ):
             _add(merged[field], r.get(field, {}))
         for field in ("subjects", "devices"):
             merged[field] += [x for x in r.get(field, []) if x not in merged[field]]

@@ -419,6 +419,14 @@ class Campaign:
                 for w, c in seq.items()
             )
             self.console.print(Text(f"size sequences: {listed}"))
+        graphed = {w: c for w, c in r.get("engine_counts", {}).items() if c.get("cudagraph_records")}
+        if graphed:
+            listed = "; ".join(
+                f"{w}: {c['cudagraph_records']} recorded, {c.get('cudagraph_replays', 0)} replays "
+                f"({c.get('cudagraph_early_replays', 0)} early), {c.get('cudagraph_skips', 0)} run without a graph"
+                for w, c in graphed.items()
+            )
+            self.console.print(Text(f"CUDA graphs: {listed}"))
         if r["build_errors"]:
             self.console.print(Text(f"{r['build_errors']} program(s) failed to build under eager: see {self.out / 'build_errors'}"))
         t = r["throughput"]

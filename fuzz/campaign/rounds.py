@@ -296,7 +296,9 @@ def _fell_back(verdict: Verdict) -> bool:
 
 
 def _outcome_stats(verdict: Verdict) -> list[dict[str, Any]]:
-    """Per outcome: where, status, fallback reasons and size-sequence captures."""
+    """Per outcome: where, status, fallback reasons, size-sequence captures
+    and the engine's integer counters over the run (cagrad's: captures,
+    cache and guard hits, CUDA graphs recorded and replayed, ...)."""
     if verdict.report is None:
         return []
     out = []
@@ -309,6 +311,7 @@ def _outcome_stats(verdict: Verdict) -> list[dict[str, Any]]:
                 "fallback_reasons": dict(o.fallback_reasons),
                 "captures": caps,
                 "rule_failure": any(m.where == "captures" for m in o.mismatches),
+                "counts": {k: int(v) for k, v in o.counts.items() if isinstance(v, int) and v > 0},
             }
         )
     return out

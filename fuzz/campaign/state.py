@@ -38,6 +38,7 @@ def new_state(cfg: CampaignConfig) -> dict[str, Any]:
         "fallback_reasons": {},
         "fallback_samples": {},
         "sequence_captures": {},
+        "engine_counts": {},
         "elapsed_s": 0.0,
         "failures": [],
         "known": [],
@@ -138,6 +139,9 @@ class CampaignState:
                 r[reason] = r.get(reason, 0) + n
                 if stats.get("program"):
                     self._record_fallback_sample(where, reason, stats["program"])
+            totals = s.setdefault("engine_counts", {}).setdefault(where, {})
+            for k, n in o.get("counts", {}).items():
+                totals[k] = totals.get(k, 0) + n
             caps = o["captures"]
             if caps is not None:
                 seq = s["sequence_captures"].setdefault(
@@ -279,6 +283,9 @@ class CampaignState:
         (divergences the known-issues file matched: ``id``, ``signature``,
         ``count``, ``note``, ``link``), ``build_errors``,
         ``outcome_counts``, ``fallback_reasons``, ``sequence_captures``,
+        ``engine_counts`` (per ``subject@device``: the engine's integer
+        counters summed over every run, e.g. cagrad's ``cache_hits``,
+        ``cudagraph_replays``: what a campaign exercised),
         ``rounds`` (rounds done), ``shard`` (``"K/N"`` or null),
         ``throughput`` (``programs_per_s``, ``workers``: this run's),
         ``timeline`` (``[elapsed_s, programs_run, failures]`` about every
@@ -322,6 +329,7 @@ class CampaignState:
             "fallback_reasons": s["fallback_reasons"],
             "fallback_samples": s.get("fallback_samples", {}),
             "sequence_captures": s["sequence_captures"],
+            "engine_counts": s.get("engine_counts", {}),
             "rounds": len(s["rounds_done"]),
             "shard": s["shard"],
             "throughput": throughput,

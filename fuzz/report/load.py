@@ -68,6 +68,7 @@ REPORT_SCHEMA: dict[str, Any] = {
             "additionalProperties": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "string"}}},
         },
         "sequence_captures": {"type": "object", "additionalProperties": _COUNTS},
+        "engine_counts": {"type": "object", "additionalProperties": _COUNTS},
         "torch_version": {"type": "string"},
         "rounds": {"type": "integer", "minimum": 0},
         "sessions": {"type": "array", "items": {"type": "object"}},

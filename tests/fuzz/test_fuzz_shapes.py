@@ -250,3 +250,29 @@ def test_campaign_finds_and_shrinks_a_capture_failure(tmp_path: Path) -> None:
     assert len(shrunk.resizes) == 1 and len(shrunk.ops) <= 1
     seq = report["sequence_captures"]["forgetful_cagrad[eager]@cpu"]
     assert seq["sequences"] >= 1 and seq["rule_failures"] >= 1
+
+
+def test_campaign_sums_the_engines_counters_per_subject(tmp_path: Path) -> None:
+    """``engine_counts`` says what a campaign exercised: the CUDA-graph
+    subject runs every program four times (so at least four backwards per
+    program), and on the CPU each of its compiled backwards runs without a
+    graph."""
+    from fuzz.campaign import Campaign, CampaignConfig
+    from fuzz.strategies import GenConfig
+
+    cfg = CampaignConfig(
+        budget_s=40,
+        seed=5,
+        out=tmp_path,
+        subjects=["cagrad[aot_eager,reduce-overhead]"],
+        devices=["cpu"],
+        gen=GenConfig(ops=("sin", "mul", "sum"), max_ops=3, hooks=False, repeat=False),
+        progress=False,
+        max_programs=6,
+    )
+    assert Campaign(cfg).run() == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    counts = report["engine_counts"]["cagrad[aot_eager,reduce-overhead]@cpu"]
+    assert counts["backwards"] >= 4 * report["programs_run"] > 0
+    assert counts["cudagraph_skips"] > 0 and "cudagraph_replays" not in counts
+    assert counts["backwards"] == counts["captures"] + counts["cache_hits"] + counts.get("fallbacks", 0)
