@@ -59,7 +59,10 @@ likely picks *before* its guard runs, so that the GPU runs the graph while
 the host checks the graph and collects its inputs
 (:meth:`CudaGraphed.speculate`, ``counters["cudagraph_early_replays"]``);
 the replay is used only where the call then picks that very graph, else it
-is dropped unread (``cudagraph_wasted_replays``).
+is dropped unread (``cudagraph_wasted_replays``). A graph with an integer or
+boolean CUDA input (indices, masks) is never replayed early: before the guard,
+its recorded addresses may hold other data, and kernels address memory
+through such inputs.
 
 Where a graph would not be safe the call runs ``fn`` directly, and the
 reason is logged once per entry and counted in
@@ -139,11 +142,17 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
 class _Recorded:
     __slots__ = (
         "graph", "buffers", "static", "outputs", "copies_device", "handed", "copies", "device", "frees", "next", "used",
+        "addresses_by_data",
     )
 
-    def __init__(self, graph: Any, buffers: list, static: list[bool], outputs: list, device: int) -> None:
+    def __init__(
+        self, graph: Any, buffers: list, static: list[bool], outputs: list, device: int, addresses_by_data: bool = False
+    ) -> None:
         self.graph = graph
         self.device = device  # the CUDA device index it was recorded on
+        # some CUDA input holds integers or booleans: indices or a mask, which
+        # kernels turn into addresses (see CudaGraphed.speculate)
+        self.addresses_by_data = addresses_by_data
         # the allocator's device_frees count when its in-place addresses last
         # held its inputs (a replay or the recording), None where unknown
         self.frees: int | None = None
@@ -610,6 +619,18 @@ class CudaGraphed:
           graph's addresses last held its inputs (:func:`cagrad.native.
           device_frees_fn`, native allocator only): every address it reads is
           still mapped, whatever tensor holds it now;
+        * no CUDA input of the graph holds integers or booleans. Whatever an
+          address holds now is read as the input's dtype; floating-point
+          garbage only makes garbage outputs, which are dropped, but kernels
+          turn index tensors and masks into addresses (``index_select``'s
+          backward, ``max_pool2d``'s indices, ``masked_scatter``): garbage
+          there writes or reads out of bounds, a device-side assert at best
+          and another tensor's memory overwritten at worst. (A fuzz campaign
+          of CUDA-graph subjects found it: a device-side assert after a
+          backward through ``index_select``.) This assumes that kernels
+          address memory only through integer and boolean tensors, as
+          ATen's and inductor's do; a float turned into an index inside the
+          graph (``grid_sample``'s grid) is bounds-checked by its kernel;
         * the last replay was the one predicted (the graph that followed the
           previous one the time before), so a miss costs at most one extra
           replay before the prediction is trusted again;
@@ -622,7 +643,7 @@ class CudaGraphed:
         if last is None:
             return False
         predicted = last.next or last
-        if predicted.frees is None:
+        if predicted.frees is None or predicted.addresses_by_data:
             return False
         early_copies = []
         if predicted.copies_device:
@@ -719,7 +740,8 @@ class CudaGraphed:
             del outputs, graph
             return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
-        return _Recorded(graph, buffers, static, outputs, torch.cuda.current_device())
+        by_data = any(t.device.type == "cuda" and not (t.is_floating_point() or t.is_complex()) for t in inputs)
+        return _Recorded(graph, buffers, static, outputs, torch.cuda.current_device(), by_data)
 
 
 __all__ = ["EARLY_REPLAY", "LAYOUT_GRAPHS", "LAYOUT_RECORDS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]

@@ -41,14 +41,14 @@ class _CudaBuffer(torch.Tensor):
         return torch.device("cuda", 0)
 
 
-def _recorded(copies: bool = False, host_copy: bool = False) -> cuda_graphs._Recorded:
+def _recorded(copies: bool = False, host_copy: bool = False, by_data: bool = False) -> cuda_graphs._Recorded:
     if copies:
         buffers = [torch.zeros(1).as_subclass(_CudaBuffer)]
     elif host_copy:
         buffers = [torch.zeros(1)]  # a host input's buffer
     else:
         buffers = [None]
-    return cuda_graphs._Recorded(_StandInGraph(), buffers, [buffers[0] is None], [], device=0)
+    return cuda_graphs._Recorded(_StandInGraph(), buffers, [buffers[0] is None], [], device=0, addresses_by_data=by_data)
 
 
 @pytest.fixture
@@ -126,6 +126,17 @@ def test_a_copied_root_gradient_is_copied_before_the_early_replay(allocator) -> 
     assert graphed.speculate({0: grad})
     assert a.graph.replays == 1 and a.buffers[0].item() == 7.0
     assert not a.buffers[0].requires_grad and a.buffers[0].grad_fn is None
+
+
+def test_no_guess_for_a_graph_with_index_or_mask_inputs(allocator) -> None:
+    """Before the guard, a recorded address may hold another tensor; read as
+    indices (integers, booleans) its data would send kernels out of bounds.
+    Such a graph is replayed only after its guard."""
+    graphed, a = _graphed(), _recorded(by_data=True)
+    graphed._observe(a)
+    graphed._observe(a)
+    assert graphed.confident and a.frees is not None
+    assert not graphed.speculate({}) and a.graph.replays == 0
 
 
 @pytest.mark.parametrize("case", ["memory_given_back", "graph_copies_inputs", "view_alive", "off"])
@@ -261,6 +272,22 @@ def test_no_early_replay_after_the_allocator_gave_memory_back() -> None:
     early.append(cagrad.counters["cudagraph_early_replays"])
     assert early[8] > early[7], early  # steady before
     assert early[9] == early[8], early  # step 8 ran after memory went back: no guess
+
+
+@cuda
+def test_a_graph_that_reads_indices_replays_only_after_its_guard() -> None:
+    """``index_select``'s backward scatters through its saved indices: the
+    graph replays (the indices at the address it read them from, checked by
+    the guard's lookup) but never early, and the gradients are eager's."""
+    index = torch.tensor([0, 3, 3, 7, 1], device="cuda")
+
+    def loss_of(m, x, step):
+        return m(x).index_select(1, index).square().mean()
+
+    _compare([16] * 12, loss_of)
+    c = cagrad.counters
+    assert c["cudagraph_replays"] >= 6 and c["guard_hits"] >= 6, c.snapshot()
+    assert c["cudagraph_early_replays"] == 0 and c["cudagraph_wasted_replays"] == 0, c.snapshot()
 
 
 @cuda
