@@ -49,6 +49,11 @@ from typing import Any
 PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 #: Seconds a probe may take to import torch and its subjects.
 STARTUP_S = 300.0
+#: Exit code of a worker or probe whose CUDA context a device error broke
+#: (:func:`fuzz.campaign.rounds.device_lost`): every later CUDA call in that
+#: process fails, and eager would "agree" with every subject by raising
+#: the same error, so the process ends and the parent records a crash.
+DEVICE_LOST_EXIT = 86
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -66,7 +71,10 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
 
 
 def signal_name(code: int) -> str:
-    """``SIGABRT`` for exit code -6; ``exit N`` for a positive code."""
+    """``SIGABRT`` for exit code -6; ``device lost`` for
+    :data:`DEVICE_LOST_EXIT`; ``exit N`` for another positive code."""
+    if code == DEVICE_LOST_EXIT:
+        return "device lost"
     if code < 0:
         try:
             return signal.Signals(-code).name
@@ -249,7 +257,7 @@ def _probe_main() -> None:
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from fuzz.campaign.config import CampaignConfig
-    from fuzz.campaign.rounds import findings, make_oracle
+    from fuzz.campaign.rounds import device_lost, findings, make_oracle
     from fuzz.ir import Program
 
     spec = json.loads(sys.stdin.read())
@@ -268,6 +276,8 @@ def _probe_main() -> None:
     program = Program.from_json(spec["program"])
     print("ready", flush=True)
     verdict = oracle.run(program)
+    if device_lost(verdict) is not None:
+        os._exit(DEVICE_LOST_EXIT)
     print(json.dumps({"status": "ran", "signatures": [f.signature for f in findings(verdict)]}), flush=True)
 
 

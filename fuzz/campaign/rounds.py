@@ -18,6 +18,7 @@ round continued after a crashed worker, or resumed after an interruption.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from fuzz.oracle import FailureKey, Oracle, Verdict, failure_key
 from fuzz.reduce import complexity, reduce_program
 from fuzz.signature import make_signature
 from fuzz.strategies import programs
+from fuzz.workers import DEVICE_LOST_EXIT
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -176,6 +178,16 @@ class RoundRunner:
             return Verdict(None, [key]), [Found(key, make_signature("harness", device, "error", key.kind, outcome), outcome)]
         return verdict, findings(verdict)
 
+    def _exit_if_device_lost(self, verdict: Verdict) -> None:
+        """Ends this worker (exit :data:`~fuzz.workers.DEVICE_LOST_EXIT`)
+        after a device error, naming the subject that met it first: the
+        parent records a crash of that subject on the program running and
+        starts a fresh worker."""
+        lost = device_lost(verdict)
+        if lost is not None:
+            self.emit("subject", {"name": lost[0], "device": lost[1]})
+            os._exit(DEVICE_LOST_EXIT)
+
     def _announce(self, program: Program, phase: str) -> None:
         self.emit("program", {"round": self.round, "index": self.index - 1, "phase": phase, "program": program.to_json(indent=None)})
 
@@ -193,6 +205,7 @@ class RoundRunner:
             raise Stop
         self._announce(program, "gen")
         verdict, found = self._check(program)
+        self._exit_if_device_lost(verdict)
         stats: dict[str, Any] = {
             "round": self.round,
             "index": self.index - 1,
@@ -240,6 +253,7 @@ class RoundRunner:
         self.shrink_calls += 1
         self._announce(program, "shrink")
         verdict, found = self._check(program, self.target.key)
+        self._exit_if_device_lost(verdict)
         for f in found:
             if f.signature == self.target.signature:
                 if self.best is None or complexity(program) < complexity(self.best):
@@ -288,6 +302,29 @@ class RoundRunner:
 
     def _emit_failure(self, shrunk: bool) -> None:
         self.emit("failure", self._failure_payload(shrunk))
+
+
+def _device_error(error: Any) -> bool:
+    """A CUDA error: ``torch.AcceleratorError`` (torch >= 2.8), or the
+    ``RuntimeError("CUDA error: ...")`` of older versions. After one (an
+    illegal address, a device-side assert) the process's CUDA context is
+    unusable (CUDA's "sticky" errors)."""
+    return error is not None and (error.type.endswith("AcceleratorError") or "CUDA error:" in error.message)
+
+
+def device_lost(verdict: Verdict) -> tuple[str, str] | None:
+    """``(subject, device)`` of the first run of ``verdict`` that met a CUDA
+    error (eager's reference run: ``"eager"``), or None."""
+    report = verdict.report
+    if report is None:
+        return None
+    for device, error in report.eager_errors.items():
+        if _device_error(error):
+            return "eager", device
+    for o in report.outcomes:
+        if _device_error(o.error):
+            return o.subject, o.device
+    return None
 
 
 def _fell_back(verdict: Verdict) -> bool:

@@ -3,8 +3,11 @@
 ``AbortOnSin`` is eager autograd that calls :func:`os.abort` (SIGABRT, as a
 failed C++ assert in a backend would) when the backward graph holds a
 ``SinBackward0`` node. ``HangOnExp`` sleeps forever when it holds an
-``ExpBackward0`` node. Every other program agrees with eager. Load them
-with ``--plugin PATH/crashing_subject.py:AbortOnSin`` (or ``:HangOnExp``).
+``ExpBackward0`` node. ``DeviceErrorOnNeg`` raises the error CUDA gives
+after an illegal memory access (``torch.AcceleratorError``) when it holds a
+``NegBackward0`` node. Every other program agrees with eager. Load them
+with ``--plugin PATH/crashing_subject.py:AbortOnSin`` (or ``:HangOnExp``,
+``:DeviceErrorOnNeg``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import runpy
 import time
 from pathlib import Path
+
+import torch
 
 import harness
 from harness.program import ProgramRun, run_backward
@@ -38,4 +43,14 @@ class HangOnExp(harness.EagerSubject):
         if graph_has(run.outputs, "ExpBackward0"):
             while True:
                 time.sleep(1)
+        return run_backward(run)
+
+
+class DeviceErrorOnNeg(harness.EagerSubject):
+    def __init__(self) -> None:
+        super().__init__("device_error[neg]")
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "NegBackward0"):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
         return run_backward(run)

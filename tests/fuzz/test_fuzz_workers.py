@@ -73,3 +73,30 @@ def test_a_crash_the_known_issues_file_lists_is_counted_as_known_not_recorded(tm
     # every crash was counted, and the programs beside them ran
     assert 1 <= entry["count"] < report["programs_run"]
     assert not (out / "failures").exists() or not any((out / "failures").iterdir())
+
+
+def test_a_device_error_ends_the_worker_and_is_recorded_as_a_crash(tmp_path: Path) -> None:
+    """After a CUDA error the process's CUDA context is broken and eager
+    itself would raise the same error, "agreeing" with every subject: the
+    worker exits instead, the parent records a crash (``device lost``) of the
+    subject that met the error, and a fresh worker goes on."""
+    from fuzz.workers import DEVICE_LOST_EXIT, signal_name
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "25", "--seed", "2",
+            "--out", str(out), "--workers", "1", "--shrink-seconds", "5", "--no-progress",
+            "--ops", "neg,sin,sum", "--max-ops", "2", "--no-hooks", "--known", "none", "--neighbours", "0",
+            "--plugin", f"{CRASHING}:DeviceErrorOnNeg",
+        ],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    (crash,) = report["failures"]
+    assert signal_name(DEVICE_LOST_EXIT) == "device lost"
+    assert crash["signature"] == "device_error[neg]@cpu crash crash: device lost", crash["signature"]
+    assert "neg" in Program.from_json((out / crash["program_json"]).read_text()).op_names()
+    # the programs without a neg ran in fresh workers and were counted
+    assert report["programs_run"] > crash["count"] >= 1
