@@ -257,14 +257,15 @@ def run(
         census = None
         if cache.guards and hit_path.eligible_call(call):
             census = Census()  # the full path below reuses it on a guard miss
-            early = _replay_early(cache.guards[0], call) if cuda_graphs and hit_path.census_is_clear(census) else None
-            try:
-                fast = _try_guards(call, cache, census)
-                if fast is not None:
-                    return _run_guarded(call, cache, *fast)
-            finally:
-                if early is not None:
-                    early.settle()
+            if hit_path.census_is_clear(census):  # else some hook is live: the full path runs it
+                early = _replay_early(cache.guards[0], call) if cuda_graphs else None
+                try:
+                    fast = _try_guards(call, cache, census)
+                    if fast is not None:
+                        return _run_guarded(call, cache, *fast)
+                finally:
+                    if early is not None:
+                        early.settle()
         collected = collect_backward(
             call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
         )
@@ -344,12 +345,11 @@ def run(
 def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple | None:
     """The first guard that accepts this backward, with its hit and variant.
 
-    None sends the backward down the full path: no guard accepts it, some
-    hook is live somewhere, its key sequence has a fallback verdict now, or
-    no variant accepts its sizes (a capture follows).
+    None sends the backward down the full path: no guard accepts it, its
+    key sequence has a fallback verdict now, or no variant accepts its sizes
+    (a capture follows). The caller has checked that no hook is live
+    (:func:`~cagrad.keys.hit_path.census_is_clear`).
     """
-    if not hit_path.census_is_clear(census):
-        return None
     guards = cache.guards
     for i, guard in enumerate(guards):
         hit = guard(call.tensors, call.grad_tensors, census.counts)

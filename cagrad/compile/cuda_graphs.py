@@ -364,7 +364,7 @@ def _capturing(graph: Any) -> Any:
     stream = _capture_streams.get(device)
     if stream is None:
         stream = _capture_streams[device] = torch.cuda.Stream(device)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # the work queued before, on any stream, is not the graph's
     with torch.cuda.stream(stream):
         graph.capture_begin()
         try:
@@ -726,9 +726,7 @@ class CudaGraphed:
                 args.append(buf)
                 buffers.append(buf)
         graph = torch.cuda.CUDAGraph()
-        # the capture runs on a side stream; wait for the copies above
-        torch.cuda.current_stream().synchronize()
-        with _capturing(graph):
+        with _capturing(graph):  # it waits for the copies above first
             outputs = list(self.fn(args, list(sizes), [], [], []))
         del args
         in_place = {
