@@ -22,13 +22,6 @@ pytestmark = [
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    cagrad.reset()
-    yield
-    cagrad.reset()
-
-
 def _train(model, make_batch, backward):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []

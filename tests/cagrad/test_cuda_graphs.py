@@ -22,13 +22,6 @@ from cagrad.compile import cuda_graphs
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    cagrad.reset()
-    yield
-    cagrad.reset()
-
-
 def _mlp(device: str) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
