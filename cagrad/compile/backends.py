@@ -30,8 +30,20 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
     """Raises Unsupported if ``gm`` holds an op ``compiler_fn`` gets wrong.
 
     Raises:
-        cagrad.Unsupported: reason ``backend_denylist:<backend>:<op>``.
+        cagrad.Unsupported: reason ``backend_denylist:<backend>:<op>``;
+            ``empty_tensor:inductor`` for an inductor graph holding a tensor
+            with no elements (:func:`_empty_tensor`).
     """
+    if compiler_fn == "inductor":
+        empty = _empty_tensor(gm)
+        if empty is not None:
+            from ..errors import Unsupported
+
+            raise Unsupported(
+                "empty_tensor:inductor",
+                f"{empty} has no elements; inductor's kernels may load from such a tensor's "
+                "address (a null pointer) where eager reads nothing",
+            )
     denied = _DENYLIST.get(compiler_fn) if isinstance(compiler_fn, str) else None
     if not denied:
         return
@@ -44,6 +56,23 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
                 f"backend_denylist:{compiler_fn}:{op.split('::')[-1]}",
                 f"{compiler_fn} is known to compile {op} wrongly (see cagrad/compile/backends.py)",
             )
+
+
+def _empty_tensor(gm: torch.fx.GraphModule) -> str | None:
+    """Names a value of ``gm`` (an input it reads or a result) that is a
+    tensor with a static size of 0, or None. Sizes 0 and 1 are never
+    symbolic in a capture, so every call of the graph has such a tensor
+    empty. Why: inductor (torch 2.11, H100) compiled the gradient of an empty
+    slice ``x[..., 0:0:2]`` that flows into a broadcast reduction into a
+    kernel that loads element 0 of the empty gradient unmasked; the
+    gradient's address was null, and the backward died with an illegal
+    memory access (a fuzz campaign's neighbour program, ``slice`` end 1 -> 0).
+    """
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "call_function" else None
+        if isinstance(val, torch.Tensor) and any(type(n) is int and n == 0 for n in val.shape):
+            return f"{node.name} (shape {list(val.shape)})"
+    return None
 
 
 def resolve(compiler_fn: CompilerFn) -> Callable[..., Callable[..., Any]]:

@@ -31,7 +31,11 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   where nothing is where it was share the graph that copies every input but
   the parameters. The buffers of copied inputs come from a memory pool of
   their own, so that recording a graph does not move the next forward's
-  activations;
+  activations. An input whose elements share memory (an ``expand``ed
+  saved tensor, stride 0) cannot be copied into a buffer of its layout;
+  its storage span is copied into a flat buffer, which the graph reads
+  through the input's strides (a call whose such input has other strides
+  runs without the graph: ``overlapping_input_layout``);
 * small CPU inputs (at most :data:`MAX_HOST_VALUES` elements: the philox
   seed and offset an attention backward takes, a CPU scalar operand) are
   read on the host when a kernel is launched, so a recorded graph holds the
@@ -142,11 +146,12 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
 class _Recorded:
     __slots__ = (
         "graph", "buffers", "static", "outputs", "copies_device", "handed", "copies", "device", "frees", "next", "used",
-        "addresses_by_data",
+        "addresses_by_data", "spans",
     )
 
     def __init__(
-        self, graph: Any, buffers: list, static: list[bool], outputs: list, device: int, addresses_by_data: bool = False
+        self, graph: Any, buffers: list, static: list[bool], outputs: list, device: int, addresses_by_data: bool = False,
+        spans: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.graph = graph
         self.device = device  # the CUDA device index it was recorded on
@@ -166,20 +171,61 @@ class _Recorded:
         # buffers: (buffers, input positions); each group is one
         # _foreach_copy_, a few kernel launches where per-input copy_
         # calls would launch one each (chain200: 200 inputs)
+        # inputs whose elements share memory (an expanded tensor): the graph
+        # reads a view of a buffer holding their storage span (_span_buffer)
+        self.spans = spans or {}
         groups: dict[Any, tuple[list, list[int]]] = {}
         for i, buf in enumerate(buffers):
-            if buf is not None:
+            if buf is not None and i not in self.spans:
                 bufs, at = groups.setdefault(buf.device, ([], []))
                 bufs.append(buf)
                 at.append(i)
         self.copies = list(groups.values())
         # some CUDA input is copied before each replay
-        self.copies_device = any(device.type == "cuda" for device in groups)
+        self.copies_device = any(device.type == "cuda" for device in groups) or any(
+            flat.device.type == "cuda" for flat in self.spans.values()
+        )
 
-    def fill(self, inputs: list) -> None:
-        """Copies the inputs the graph does not read in place into its buffers."""
+    def fill(self, inputs: list) -> bool:
+        """Copies the inputs the graph does not read in place into its
+        buffers; False, copying nothing of an overlapping input, where one
+        has other strides than at the recording (its span would be another
+        set of elements)."""
         for bufs, at in self.copies:
             torch._foreach_copy_(bufs, [inputs[i] for i in at])
+        for i, flat in self.spans.items():
+            t, view = inputs[i], self.buffers[i]
+            if t.stride() != view.stride() or t.size() != view.size():
+                return False
+            flat.copy_(_span(t))
+        return True
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage, computed from ``t``'s own: asking
+    ``untyped_storage()`` would make a Python storage object that lives as
+    long as the memory (torch preserves it) and counts as one more holder,
+    so :func:`cagrad.native.reclaim_fn` could never move an output so
+    touched."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t``'s storage from its first element to its last,
+    as a flat tensor (shape ``(n,)``): every element a view with
+    non-negative strides reads lies in it, at the same offsets from the
+    first. Torch's strides are never negative."""
+    n = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride()))
+    return t.as_strided((n,), (1,), t.storage_offset())
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether torch finds that elements of ``t`` share memory (a stride of
+    0 over a dimension of size > 1: an ``expand``ed tensor), which makes
+    ``t`` no destination for a copy (``assert_no_internal_overlap`` raises
+    on exactly this answer, ``MemoryOverlap::Yes``; layouts it cannot judge,
+    an ``unfold`` window, are copied into as they are)."""
+    return torch._debug_has_internal_overlap(t) == 1
 
 
 class _Mask:
@@ -489,7 +535,9 @@ class CudaGraphed:
                 return self._record_and_replay(
                     inputs, sizes, scalars, hooks, packed, size_key, addresses, better, params
                 )
-        recorded.fill(inputs)
+        if not recorded.fill(inputs):
+            counters.record_cudagraph_skip("overlapping_input_layout")
+            return list(self.fn(inputs, sizes, scalars, hooks, packed))
         if recorded is pending:
             # replayed early (speculate): the graph this call picks by its
             # sizes, host values and the addresses it reads, with no CUDA
@@ -643,7 +691,7 @@ class CudaGraphed:
         if last is None:
             return False
         predicted = last.next or last
-        if predicted.frees is None or predicted.addresses_by_data:
+        if predicted.frees is None or predicted.addresses_by_data or predicted.spans:
             return False
         early_copies = []
         if predicted.copies_device:
@@ -715,10 +763,22 @@ class CudaGraphed:
         the ``params`` read in place."""
         args = []
         buffers: list[torch.Tensor | None] = []
+        spans: dict[int, torch.Tensor] = {}
         for t, s in zip(inputs, static):
             if s:
                 args.append(t)
                 buffers.append(None)  # no reference kept: the input may die
+            elif _overlaps(t):
+                # a buffer of t's layout would overlap too, and no copy can
+                # write it: the graph reads t's layout over a copy of its span
+                source = _span(t)
+                with self._buffer_memory(t.device):
+                    flat = torch.empty_like(source, memory_format=torch.contiguous_format)
+                flat.copy_(source)
+                spans[len(args)] = flat
+                buf = flat.as_strided(t.size(), t.stride(), 0)
+                args.append(buf)
+                buffers.append(buf)
             else:
                 with self._buffer_memory(t.device):
                     buf = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
@@ -729,17 +789,13 @@ class CudaGraphed:
         with _capturing(graph):  # it waits for the copies above first
             outputs = list(self.fn(args, list(sizes), [], [], []))
         del args
-        in_place = {
-            t.untyped_storage().data_ptr() for t, s, p in zip(inputs, static, params) if s and not p
-        }
-        if in_place and any(
-            isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in in_place for o in outputs
-        ):
+        in_place = {_storage_address(t) for t, s, p in zip(inputs, static, params) if s and not p}
+        if in_place and any(isinstance(o, torch.Tensor) and _storage_address(o) in in_place for o in outputs):
             del outputs, graph
             return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
         by_data = any(t.device.type == "cuda" and not (t.is_floating_point() or t.is_complex()) for t in inputs)
-        return _Recorded(graph, buffers, static, outputs, torch.cuda.current_device(), by_data)
+        return _Recorded(graph, buffers, static, outputs, torch.cuda.current_device(), by_data, spans)
 
 
 __all__ = ["EARLY_REPLAY", "LAYOUT_GRAPHS", "LAYOUT_RECORDS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]

@@ -224,7 +224,9 @@ def reclaim_fn() -> Callable[[list, list], bool] | None:
     ``owners[i]`` handed out after its last replay. Each alias that only the
     list refers to is dead; each live one (a leaf's ``.grad``) gets a copy of
     its data in new memory through ``set_`` on its own TensorImpl, which every
-    holder sees. Returns False, and moves no more, where a live alias's memory
+    holder sees (one whose elements share memory, an expanded gradient,
+    gets a copy of its storage span read through its own strides).
+    Returns False, and moves no more, where a live alias's memory
     is also held by a tensor outside the two lists (a view made of it): the
     graph must not replay then.
 

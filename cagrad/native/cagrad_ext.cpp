@@ -15,6 +15,7 @@
 #define CAGRAD_HAS_LAYOUT_CONTRACT 1
 #endif
 #include <ATen/core/grad_mode.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_copy.h>
@@ -820,7 +821,9 @@ static PyObject* stealable(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // replay (handed[i] aliases owners[i], the graph's own output tensor). An
 // alias that only the list `handed` refers to is dead. A live one (a leaf's
 // .grad, say) is moved out: its TensorImpl gets a copy of the data in new
-// memory (set_), which every holder of it sees. Returns False, moving
+// memory (set_), which every holder of it sees; one whose elements share
+// memory (stride 0: an expanded gradient), which no copy can write, gets a
+// copy of its storage span, read through its own strides. Returns False, moving
 // nothing more, where a live alias's memory is also held by a tensor not in
 // the two lists (a view the user made of a .grad): the caller must not
 // replay then.
@@ -867,9 +870,19 @@ static PyObject* reclaim(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     try {
       at::NoGradGuard no_grad;
-      at::Tensor fresh = at::empty_strided(handed.sizes(), handed.strides(), handed.options());
-      fresh.copy_(handed);
-      handed.set_(fresh);
+      if (at::has_internal_overlap(handed) == at::MemOverlap::Yes) {
+        int64_t span = 1;
+        for (int64_t d = 0; d < handed.dim(); ++d) {
+          span += (handed.size(d) - 1) * handed.stride(d);  // torch's strides are >= 0
+        }
+        at::Tensor flat = at::empty({span}, handed.options());
+        flat.copy_(handed.as_strided({span}, {1}, handed.storage_offset()));
+        handed.set_(flat.storage(), 0, handed.sizes(), handed.strides());
+      } else {
+        at::Tensor fresh = at::empty_strided(handed.sizes(), handed.strides(), handed.options());
+        fresh.copy_(handed);
+        handed.set_(fresh);
+      }
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return nullptr;

@@ -1,6 +1,7 @@
 """cagrad/compile/backends.py: the call wrapper for graphs that read a lifted scalar
 beside CUDA tensors (their end-to-end test needs a GPU:
-tests/test_models_cuda.py::test_lifted_scalar_beside_cuda_tensors_compiles_under_inductor).
+tests/test_models_cuda.py::test_lifted_scalar_beside_cuda_tensors_compiles_under_inductor),
+and the graphs a backend must not compile (empty tensors under inductor).
 """
 
 from __future__ import annotations
@@ -80,3 +81,42 @@ def test_segments_keep_the_fake_values_of_their_inputs(monkeypatch):
         reads = [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.args[0], "name", "") == "inputs"]
         assert reads and all(isinstance(n.meta.get("val"), torch.Tensor) for n in reads)
     torch.testing.assert_close(x.grad, x.detach().cos() * 0.25 * 2 * 3)
+
+
+def _empty_slice_grads(backend, device):
+    """Gradients of a broadcast ``where`` whose result is sliced to nothing
+    (``[..., 0:0:2]``) plus a term that keeps the backward non-trivial: the
+    program of a campaign's crash (illegal memory access under inductor on
+    the H100), reduced."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 5, 4, device=device, requires_grad=True)
+    w = torch.randn(1, 1, 5, 4, device=device, requires_grad=True)
+    loss = torch.where(x.sin() > 0, w, x)[:, :, :, 0:0:2].sum() + (x * w).sum()
+    if backend is None:
+        return torch.autograd.grad(loss, [x, w])
+    with cagrad.enable(backend):
+        return torch.autograd.grad(loss, [x, w])
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+)
+def test_an_empty_tensor_keeps_a_graph_from_inductor(device):
+    """Inductor may load element 0 of an empty tensor (a null address):
+    such a backward runs in eager with the reason counted; aot_eager, which
+    runs the aten ops, compiles it. Both give eager's gradients."""
+    expected = _empty_slice_grads(None, device)
+    got = _empty_slice_grads("inductor", device)
+    assert dict(cagrad.counters["fallback_reasons"]) == {"empty_tensor:inductor": 1}
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    cagrad.reset()
+    got = _empty_slice_grads("aot_eager", device)
+    assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["captures"] == 1
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_empty_tensor_names_a_static_zero_size_only():
+    assert backends._empty_tensor(_graph(("cpu", (2, 0, 3)))) == "getitem (shape [2, 0, 3])"
+    assert backends._empty_tensor(_graph(("cpu", (2, 1, 3)), ("cpu", ()))) is None

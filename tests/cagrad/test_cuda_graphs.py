@@ -462,6 +462,73 @@ def test_an_output_that_is_an_input_is_never_read_in_place() -> None:
     torch.testing.assert_close(out[1], b * 3)
 
 
+def test_the_span_of_an_overlapping_tensor_holds_every_element_it_reads() -> None:
+    """``_span`` flattens a tensor's storage from its first element to its
+    last; read through the tensor's strides it gives the tensor back
+    (expanded, offset views; checked against the views themselves)."""
+    base = torch.arange(40.0)
+    views = [
+        base[3:8].expand(4, 5),  # stride 0, offset 3
+        base.view(5, 8)[:, 1:7].unsqueeze(1).expand(5, 3, 6),
+    ]
+    for v in views:
+        assert cuda_graphs._overlaps(v)
+        flat = cuda_graphs._span(v).clone()
+        assert flat.dim() == 1
+        torch.testing.assert_close(flat.as_strided(v.size(), v.stride(), 0), v, rtol=0, atol=0)
+    assert not cuda_graphs._overlaps(base.view(5, 8)[:, ::2])
+    assert not cuda_graphs._overlaps(base.unfold(0, 6, 2))  # torch cannot tell; copy_ accepts it
+    torch.empty_strided((18, 6), (2, 1)).copy_(base.unfold(0, 6, 2))
+    assert not cuda_graphs._overlaps(torch.ones(1).expand(1, 1))
+
+
+def _scaled(inputs, sizes, scalars, hooks, packed):
+    a, b = inputs
+    return [a * b, (a + b).sum(1)]
+
+
+@cuda
+def test_expanded_inputs_are_copied_as_their_span() -> None:
+    """An input with stride 0 (a broadcast saved tensor) cannot be the
+    target of a copy (``assert_no_internal_overlap``, found by a campaign:
+    ``matmul``, ``mul``, ``sqrt``): the graph copies its span and replays
+    with the function's own results, new values at new addresses included;
+    one with other strides at the same sizes runs without the graph."""
+    graphed = cuda_graphs.CudaGraphed(_scaled)
+    for step in range(5):
+        keep = [torch.empty(1 << 18, device="cuda") for _ in range(step)]  # new addresses
+        a = torch.randn(16, 1, device="cuda").expand(16, 32)
+        b = torch.randn(16, 32, device="cuda")
+        got = [t.clone() for t in graphed([a, b], [], [], [], [])]
+        for g, e in zip(got, _scaled([a, b], [], [], [], [])):
+            torch.testing.assert_close(g, e)
+        del keep
+    assert cagrad.counters["cudagraph_replays"] == 4
+    assert any(r.spans for r in graphed.graphs.values())
+    dense = torch.randn(16, 32, device="cuda")  # same sizes, other strides
+    got = [t.clone() for t in graphed([dense, b], [], [], [], [])]
+    for g, e in zip(got, _scaled([dense, b], [], [], [], [])):
+        torch.testing.assert_close(g, e)
+
+
+@cuda
+def test_a_broadcast_saved_tensor_trains_like_eager() -> None:
+    """A model that multiplies by an ``expand``ed tensor saves it for the
+    backward; reduce-overhead replays with eager's gradients."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 32, device="cuda", requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    for _ in range(5):
+        scale = torch.rand(8, 1, device="cuda").expand(8, 32)
+        x = torch.randn(4, 8, device="cuda")
+        for param, graphed in ((w_ref, False), (w, True)):
+            param.grad = None
+            _backward((x @ (param * scale)).abs().add(1).sqrt().sum(), graphed)
+        torch.testing.assert_close(w.grad, w_ref.grad)
+    assert cagrad.counters["cudagraph_replays"] >= 3
+    assert cagrad.counters["fallbacks"] == 0
+
+
 def _attention_backward_graph(dropout_p: float, seed_also_added: bool = False) -> torch.fx.GraphModule:
     """A graph shaped like cagrad's: ``inputs[j]`` reads, an efficient-attention
     backward taking inputs 4 and 5 (through ``detach``) as its philox seed and

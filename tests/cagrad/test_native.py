@@ -144,3 +144,31 @@ def test_two_leaves_with_one_grad_tensor_get_both_gradients(built, device):
     for (e, e_same), (a, a_same) in zip(expected, actual):
         same(e, a)
         assert e_same and a_same
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(((2, 3), (3, 1), 0), id="dense"),
+        pytest.param(((4, 3), (0, 1), 2), id="expanded"),
+        pytest.param(((3, 4), (0, 0), 1), id="one-element"),
+    ],
+)
+def test_reclaim_moves_a_live_output_out_of_the_graph_memory(built, layout):
+    """A live alias of a CUDA graph's output (a kept ``.grad``) is moved to
+    memory of its own before the next replay writes over the output; an
+    expanded output (stride 0, which no copy may write) keeps its strides and
+    values. Checked on CPU tensors standing in for the graph's pool: after the
+    move, writing over the pool leaves the alias as it was."""
+    size, stride, offset = layout
+    # the only holder of its memory (no view base), as a graph's output is
+    owner = torch.arange(8.0).as_strided(size, stride, offset).detach()
+    pool = owner.data_ptr() - offset * owner.element_size()  # untyped_storage() would be one more holder
+    handed = owner.detach()
+    expected = handed.clone()
+    assert native.reclaim_fn()([handed], [owner]) is True
+    assert handed.data_ptr() != pool + offset * owner.element_size()
+    assert handed.stride() == owner.stride() and handed.size() == owner.size()
+    torch.tensor([], dtype=owner.dtype).set_(owner.untyped_storage()).fill_(-1.0)  # the next replay
+    assert handed.data_ptr() != owner.data_ptr()
+    torch.testing.assert_close(handed, expected, rtol=0, atol=0)

@@ -166,13 +166,18 @@ def test_static_examples_bind_sizes_strides_and_offset():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_record_the_specialized_code():
     """reduce-overhead warms a specializing graph up twice, so the CUDA
-    graph is recorded from the specialized code; gradients stay eager's."""
+    graph is recorded from the specialized code; gradients stay eager's.
+    (Later calls may record more graphs, for inputs the caching allocator
+    put back at earlier addresses, so only the first recording's call is
+    pinned.)"""
     lin, ref = _model().cuda(), copy.deepcopy(_model()).cuda()
+    records_after = []
     for _ in range(5):
         x = torch.randn(4, 8, device="cuda")
         expected = _grads(ref, x, contextlib.nullcontext())
         got = _grads(lin, x, cagrad.enable("inductor", mode="reduce-overhead", dynamic=True))
         torch.testing.assert_close(got, expected)
+        records_after.append(cagrad.counters["cudagraph_records"])
     assert cagrad.counters["specializations"] == 1
-    assert cagrad.counters["cudagraph_records"] == 1
+    assert records_after[:3] == [0, 0, 1]  # warm-ups: the symbolic call, then the specialized one
     assert cagrad.counters["cudagraph_replays"] == 3
