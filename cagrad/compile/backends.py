@@ -31,18 +31,18 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
 
     Raises:
         cagrad.Unsupported: reason ``backend_denylist:<backend>:<op>``;
-            ``empty_tensor:inductor`` for an inductor graph holding a tensor
-            with no elements (:func:`_empty_tensor`).
+            ``empty_broadcast:inductor`` for an inductor graph holding an
+            expanded empty tensor (:func:`_empty_broadcast`).
     """
     if compiler_fn == "inductor":
-        empty = _empty_tensor(gm)
+        empty = _empty_broadcast(gm)
         if empty is not None:
             from ..errors import Unsupported
 
             raise Unsupported(
-                "empty_tensor:inductor",
-                f"{empty} has no elements; inductor's kernels may load from such a tensor's "
-                "address (a null pointer) where eager reads nothing",
+                "empty_broadcast:inductor",
+                f"{empty} has no elements and every stride 0; inductor's kernels may load its "
+                "element 0 from its null address where eager reads nothing",
             )
     denied = _DENYLIST.get(compiler_fn) if isinstance(compiler_fn, str) else None
     if not denied:
@@ -58,20 +58,29 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
             )
 
 
-def _empty_tensor(gm: torch.fx.GraphModule) -> str | None:
+def _empty_broadcast(gm: torch.fx.GraphModule) -> str | None:
     """Names a value of ``gm`` (an input it reads or a result) that is a
-    tensor with a static size of 0, or None. Sizes 0 and 1 are never
-    symbolic in a capture, so every call of the graph has such a tensor
-    empty. Why: inductor (torch 2.11, H100) compiled the gradient of an empty
-    slice ``x[..., 0:0:2]`` that flows into a broadcast reduction into a
-    kernel that loads element 0 of the empty gradient unmasked; the
-    gradient's address was null, and the backward died with an illegal
-    memory access (a fuzz campaign's neighbour program, ``slice`` end 1 -> 0).
-    """
+    tensor with no elements and every stride 0 (an ``expand``ed empty
+    tensor), or None. Sizes 0 and 1 are never symbolic in a capture, so such
+    a value is empty on every call of the graph.
+
+    Why: inductor (torch 2.11, H100) compiled the gradient of an empty slice
+    ``x[..., 0:0:2]``, expanded with every stride 0 and read by a later
+    graph segment, into a kernel that loads its element 0 unmasked (with
+    every stride 0 the index does not depend on the loop) and masks the
+    value after. Torch gives every empty tensor a null data pointer, so the
+    load was an illegal memory access (a fuzz campaign's neighbour program,
+    ``slice`` end 1 -> 0); eager reads nothing. An empty tensor with a
+    nonzero stride (cuDNN batch norm's empty reserve) is indexed by the loop
+    and its loads are masked."""
     for node in gm.graph.nodes:
         val = node.meta.get("val") if node.op == "call_function" else None
-        if isinstance(val, torch.Tensor) and any(type(n) is int and n == 0 for n in val.shape):
-            return f"{node.name} (shape {list(val.shape)})"
+        if (
+            isinstance(val, torch.Tensor) and val.layout == torch.strided
+            and any(type(n) is int and n == 0 for n in val.shape)
+            and all(type(s) is int and s == 0 for s in val.stride())
+        ):
+            return f"{node.name} (shape {list(val.shape)}, strides {list(val.stride())})"
     return None
 
 

@@ -101,13 +101,14 @@ def _empty_slice_grads(backend, device):
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 )
-def test_an_empty_tensor_keeps_a_graph_from_inductor(device):
-    """Inductor may load element 0 of an empty tensor (a null address):
-    such a backward runs in eager with the reason counted; aot_eager, which
-    runs the aten ops, compiles it. Both give eager's gradients."""
+def test_an_expanded_empty_tensor_keeps_a_graph_from_inductor(device):
+    """Inductor may load element 0 of an expanded empty tensor, whose address
+    torch makes null: such a backward runs in eager with the reason counted;
+    aot_eager, which runs the aten ops, compiles it. Both give eager's
+    gradients."""
     expected = _empty_slice_grads(None, device)
     got = _empty_slice_grads("inductor", device)
-    assert dict(cagrad.counters["fallback_reasons"]) == {"empty_tensor:inductor": 1}
+    assert dict(cagrad.counters["fallback_reasons"]) == {"empty_broadcast:inductor": 1}
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
     cagrad.reset()
@@ -117,6 +118,18 @@ def test_an_empty_tensor_keeps_a_graph_from_inductor(device):
         torch.testing.assert_close(g, e)
 
 
-def test_empty_tensor_names_a_static_zero_size_only():
-    assert backends._empty_tensor(_graph(("cpu", (2, 0, 3)))) == "getitem (shape [2, 0, 3])"
-    assert backends._empty_tensor(_graph(("cpu", (2, 1, 3)), ("cpu", ()))) is None
+def test_empty_broadcast_names_an_empty_tensor_with_every_stride_zero():
+    """A static size 0 with every stride 0 is named; an empty tensor indexed
+    by a nonzero stride (cuDNN's empty reserve, shape ``[0]``) and a
+    non-empty expanded one are not."""
+    graph = torch.fx.Graph()
+    inputs = graph.placeholder("inputs")
+    with FakeTensorMode():
+        vals = [torch.empty(0), torch.empty(1, 3).expand(4, 3), torch.empty(()).expand(2, 5, 0)]
+    for i, val in enumerate(vals):
+        node = graph.call_function(operator.getitem, (inputs, i))
+        node.meta["val"] = val
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert backends._empty_broadcast(gm) == "getitem_2 (shape [2, 5, 0], strides [0, 0, 0])"
+    gm.graph.erase_node(list(gm.graph.nodes)[-1])
+    assert backends._empty_broadcast(gm) is None
