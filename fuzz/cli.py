@@ -257,6 +257,13 @@ def campaign(
 @click.option("--device", "devices", multiple=True, help="Device(s) instead of the recorded ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the differential report as JSON.")
 @click.option("--show", is_flag=True, help="Print the program as plain torch code and exit.")
+@click.option(
+    "--neighbours",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Neighbour programs to run after it in the same cagrad state (default: the reproducer's "
+    "recorded count; 0 for a program .json). A campaign's failure can come from a neighbour.",
+)
 def replay(
     file: Path,
     subjects: str | None,
@@ -264,6 +271,7 @@ def replay(
     devices: tuple[str, ...],
     as_json: bool,
     show: bool,
+    neighbours: int | None,
 ) -> None:
     """Run FILE (a reproducer .py, a program .json, or a failure directory) again."""
     from fuzz.ir import IRError, Program
@@ -305,7 +313,7 @@ def replay(
         list(devices) or recorded_devices,
         echo=click.echo,
         as_json=as_json,
-        neighbours=recorded_neighbours,
+        neighbours=recorded_neighbours if neighbours is None else neighbours,
     )
     sys.exit(code)
 

@@ -236,6 +236,28 @@ def test_reproducer_replays_the_sequence(tmp_path: Any, softmax_dim_left_out: No
     assert run_reproducer(*args, ["--neighbours", "-1"]) == 2
 
 
+def test_replay_of_a_program_json_runs_neighbours_on_request(
+    tmp_path: Any, softmax_dim_left_out: None
+) -> None:
+    """A campaign's failure can come from a neighbour (an H100 crash came
+    from neighbour 1 of its program): ``fuzz replay --neighbours N`` runs
+    them after a bare program .json, which alone passes."""
+    from click.testing import CliRunner
+
+    from fuzz.cli import main
+
+    program_json = tmp_path / "program.json"
+    program_json.write_text(SOFTMAX.to_json())
+    runner = CliRunner()
+    alone = runner.invoke(main, ["replay", str(program_json), "--subjects", "cagrad[eager]", "--device", "cpu"])
+    assert alone.exit_code == 0, alone.output
+    with_neighbours = runner.invoke(
+        main, ["replay", str(program_json), "--subjects", "cagrad[eager]", "--device", "cpu", "--neighbours", "1"]
+    )
+    assert with_neighbours.exit_code == 1, with_neighbours.output
+    assert "ops[0].attrs.dim: 0 -> 1" in with_neighbours.output
+
+
 def test_reproducer_without_neighbours_field_reads_zero(tmp_path: Any) -> None:
     path = write_reproducer(tmp_path / "r.py", SOFTMAX, subjects=["cagrad[eager]"], devices=["cpu"])
     old = path.read_text().replace("NEIGHBOURS = 0\n", "").replace(", neighbours=NEIGHBOURS", "")
