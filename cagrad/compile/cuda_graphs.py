@@ -172,7 +172,7 @@ class _Recorded:
         # _foreach_copy_, a few kernel launches where per-input copy_
         # calls would launch one each (chain200: 200 inputs)
         # inputs whose elements share memory (an expanded tensor): the graph
-        # reads a view of a buffer holding their storage span (_span_buffer)
+        # reads a view of a buffer holding their storage span (_span)
         self.spans = spans or {}
         groups: dict[Any, tuple[list, list[int]]] = {}
         for i, buf in enumerate(buffers):
