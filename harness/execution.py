@@ -15,6 +15,7 @@ runner can tell a broken program from a broken engine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -173,11 +174,32 @@ def _step(
                 out.counts[k] = out.counts.get(k, 0) + v
             for k, v in reasons.items():
                 out.fallback_reasons[k] = out.fallback_reasons.get(k, 0) + v
-    return StepValues(
-        [snapshot(leaf.grad) for leaf in run.leaves],
-        [snapshot(g) for g in (result or ())] if run.mode == "grad" else None,
-        snapshot(list(run.trace)),
-    )
+    with _snapshot_memory(device):
+        return StepValues(
+            [snapshot(leaf.grad) for leaf in run.leaves],
+            [snapshot(g) for g in (result or ())] if run.mode == "grad" else None,
+            snapshot(list(run.trace)),
+        )
+
+
+_SNAPSHOT_POOLS: dict[int, Any] = {}
+
+
+def _snapshot_memory(device: torch.device) -> Any:
+    """Where a step's copies are allocated: on CUDA, a memory pool of their
+    own (``torch.cuda.MemPool``), so that the copies kept from one step do
+    not take the blocks the next step's build would get. A many-step subject
+    then meets its inputs at the addresses of the step before, as a training
+    loop does, and its CUDA graphs read them in place and replay early (with
+    the copies in the main pool, the fuzzer's CUDA-graph subject saw few
+    early replays)."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool"):
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pool = _SNAPSHOT_POOLS.get(index)
+    if pool is None:
+        pool = _SNAPSHOT_POOLS[index] = torch.cuda.MemPool()
+    return torch.cuda.use_mem_pool(pool, torch.device("cuda", index))
 
 
 def _floating_dtypes(tensors: list[Any]) -> tuple[torch.dtype, ...]:
