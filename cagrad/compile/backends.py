@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from ..counters import counters
+from ..errors import Unsupported
 
 CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
 
@@ -37,8 +38,6 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
     if compiler_fn == "inductor":
         empty = _empty_broadcast(gm)
         if empty is not None:
-            from ..errors import Unsupported
-
             raise Unsupported(
                 "empty_broadcast:inductor",
                 f"{empty} has no elements and every stride 0; inductor's kernels may load its "
@@ -49,8 +48,6 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
         return
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in denied:
-            from ..errors import Unsupported
-
             op = node.target.name()
             raise Unsupported(
                 f"backend_denylist:{compiler_fn}:{op.split('::')[-1]}",
