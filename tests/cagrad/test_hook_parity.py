@@ -144,6 +144,33 @@ def test_a_post_accumulate_hooks_clone_is_not_the_grad_it_copied(backend):
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
 
 
+def test_a_post_hook_of_split_sees_as_many_grad_outputs_as_split_has_outputs_at_each_size():
+    # split(1) of a dimension that grows from 2 to 4 has 4 outputs: a new key
+    # (torch's compiled autograd reuses its graph of 2 and hands the hook 2;
+    # fuzz/known_issues.toml, torch-ca-split-output-count-size-variant)
+    def build(n, tr):
+        x = torch.randn(n, requires_grad=True)
+        parts = (x * 2).split(1)
+        parts[0].grad_fn.register_hook(lambda gi, go: tr.append(("split", len(go), [g is None for g in go])))
+        parts[0].sum().backward()
+        return x.grad
+
+    sizes = [2, 4, 4, 2]
+    expected: list = []
+    torch.manual_seed(0)
+    grads = [build(n, expected) for n in sizes]
+    actual: list = []
+    torch.manual_seed(0)
+    with cagrad.enable("eager", dynamic=True):
+        got = [build(n, actual) for n in sizes]
+    assert actual == expected
+    assert [n for _, n, _ in actual] == sizes  # one grad_output per output of split
+    for a, b in zip(grads, got):
+        same(a, b)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert cagrad.counters["cache_hits"] >= 2
+
+
 # -- post-hooks under inputs= ---------------------------------------------------------
 def test_post_hook_sees_none_for_an_edge_autograd_grad_does_not_need():
     def build(tr):
