@@ -52,13 +52,24 @@ _PASS_THROUGH = frozenset(
 
 @dataclasses.dataclass
 class Segment:
-    """A run of tensor ops, compiled on its own."""
+    """A run of tensor ops, compiled on its own.
+
+    ``restride``: ``(input index, stride functions of the symbol values)``
+    of each input that an earlier segment computes. The backend compiled
+    this segment for the strides the trace gave that value, and the earlier
+    segment's compiled code may return it with others (inductor chose
+    contiguous outputs for a transposed ``where`` on CUDA, and this
+    segment's size-and-stride assert then failed); such an input is copied
+    into the traced strides before the call (:func:`run`), as an opaque
+    call's result is (:func:`_conform`).
+    """
 
     graph_module: torch.fx.GraphModule
     in_names: list[str]
     out_names: list[str]
     fn: Callable[..., Any] | None = None
     calls: int = 0
+    restride: list[tuple[int, tuple[Callable[..., int], ...]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -233,12 +244,51 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
     needed_after.reverse()
 
     steps: list[Segment | OpaqueStep] = []
+    computed: set[str] = set()  # values computed by the segments so far
     for group, needed in zip(groups, needed_after):
         if isinstance(group, OpaqueStep):
             steps.append(group)
         else:
-            steps.append(_segment(gm, group, needed, size_reads))
+            seg = _segment(gm, group, needed, size_reads)
+            seg.restride = _restride_plan(seg, group, computed, to_value)
+            computed.update(seg.out_names)
+            steps.append(seg)
     return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
+
+
+def _restride_plan(
+    seg: Segment, nodes: list[torch.fx.Node], computed: set[str], to_value: Callable[[Any], Callable[..., int]]
+) -> list[tuple[int, tuple[Callable[..., int], ...]]]:
+    """The inputs of ``seg`` computed by an earlier segment, with the strides
+    the trace gave them (see :attr:`Segment.restride`). The lifted inputs
+    are in the cache key with their strides, and opaque results are
+    conformed to the trace (:func:`_check`): neither needs it."""
+    vals = {a.name: a.meta.get("val") for node in nodes for a in node.all_input_nodes}
+    plan = []
+    for i, name in enumerate(seg.in_names):
+        val = vals.get(name)
+        if name in computed and isinstance(val, torch.Tensor) and val.layout is torch.strided:
+            try:
+                plan.append((i, tuple(to_value(x) for x in val.stride())))
+            except ValueError as e:  # a stride the size check cannot compute
+                # left out: the backend's own check (inductor's) still
+                # catches other strides at the first call
+                log.debug("cagrad: segment input %s keeps the strides it gets: %s", name, e)
+    return plan
+
+
+def _restrided(value: Any, strides: Sequence[int]) -> Any:
+    """``value`` in ``strides`` (a copy, values unchanged) if its strides
+    differ from them in a dimension of more than one element, else itself."""
+    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+        return value
+    have = value.stride()
+    shape = value.shape
+    if all(n <= 1 or a == b for n, a, b in zip(shape, have, strides)):
+        return value
+    out = torch.empty_strided(shape, tuple(strides), dtype=value.dtype, device=value.device)
+    out.copy_(value)
+    return out
 
 
 def _segment(
@@ -395,6 +445,8 @@ def run(
     for step in sg.steps:
         if isinstance(step, Segment):
             args = [env[n] for n in step.in_names]
+            for i, strides in step.restride:
+                args[i] = _restrided(args[i], [f(*sym_values) for f in strides])
             try:
                 outs = step.fn(args, sizes, [], [], [])
             except Exception as e:
