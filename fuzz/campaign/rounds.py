@@ -328,8 +328,11 @@ def device_lost(verdict: Verdict) -> tuple[str, str] | None:
 
 
 def _fell_back(verdict: Verdict) -> bool:
-    """Whether some subject ran part of the program in eager (a fallback)."""
-    return verdict.report is not None and any(o.fallback_reasons for o in verdict.report.outcomes)
+    """Whether some subject ran part of the program in eager (a fallback,
+    or a graph segment its backend failed to compile)."""
+    return verdict.report is not None and any(
+        o.fallback_reasons or o.counts.get("segment_compile_failures") for o in verdict.report.outcomes
+    )
 
 
 def _outcome_stats(verdict: Verdict) -> list[dict[str, Any]]:

@@ -139,6 +139,10 @@ class CampaignState:
                 r[reason] = r.get(reason, 0) + n
                 if stats.get("program"):
                     self._record_fallback_sample(where, reason, stats["program"])
+            if o.get("counts", {}).get("segment_compile_failures") and stats.get("program"):
+                # compiled gradients, but a segment ran uncompiled: slower, and a
+                # capture the backend disagreed with (the log has its error)
+                self._record_fallback_sample(where, "segment_compile_failures", stats["program"])
             totals = s.setdefault("engine_counts", {}).setdefault(where, {})
             for k, n in o.get("counts", {}).items():
                 totals[k] = totals.get(k, 0) + n

@@ -95,3 +95,22 @@ class FallsBackOnExp(harness.EagerSubject):
 
     def counters(self):
         return {"fallbacks": self.fallbacks, "fallback_reasons": {"planted": self.fallbacks} if self.fallbacks else {}}
+
+
+class SegmentFailsOnExp(harness.EagerSubject):
+    """Eager autograd that reports a graph segment its backend failed to
+    compile (``segment_compile_failures``) whenever the backward graph holds
+    an ``ExpBackward0`` node: right gradients, as cagrad's when it runs such
+    a segment uncompiled."""
+
+    def __init__(self) -> None:
+        super().__init__("segment_fails[exp]")
+        self.failures = 0
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "ExpBackward0"):
+            self.failures += 1
+        return run_backward(run)
+
+    def counters(self):
+        return {"segment_compile_failures": self.failures}

@@ -219,6 +219,24 @@ def test_programs_that_fell_back_are_kept_as_samples_per_reason(tmp_path: Path) 
     load_report(out / "report.json")
 
 
+def test_programs_with_a_segment_that_failed_to_compile_are_kept_as_samples(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _campaign(
+        "--budget", "60", "--max-programs", "25", "--seed", "4", "--out", str(out),
+        "--plugin", f"{HERE / 'broken_subject.py'}:SegmentFailsOnExp", "--no-progress", "--known", "none",
+        "--ops", "exp,sin,neg,sum", "--no-hooks", "--no-shapes", "--neighbours", "0",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    where = "segment_fails[exp]@cpu"
+    failed = report["engine_counts"][where]["segment_compile_failures"]
+    samples = report["fallback_samples"][where]["segment_compile_failures"]
+    assert 1 <= len(samples) <= min(3, failed)  # one sample per program, three at most
+    assert report["outcome_counts"][where] == {"equal": report["programs_run"]}  # not a divergence
+    for path in samples:
+        assert "exp" in Program.from_json((out / path).read_text()).op_names()
+
+
 @pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
 def test_fuzz_commands_verify_guarded_hits_unless_told_not_to(monkeypatch, preset, expected) -> None:
     """Every fuzz command turns CAGRAD_VERIFY_GUARDS on for itself and its
