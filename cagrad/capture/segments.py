@@ -54,8 +54,8 @@ _PASS_THROUGH = frozenset(
 class Segment:
     """A run of tensor ops, compiled on its own.
 
-    ``restride``: ``(input index, stride functions of the symbol values)``
-    of each input that an earlier segment computes. The backend compiled
+    ``restride``: ``(input index, static strides or None, stride functions
+    of the symbol values)`` of each input that an earlier segment computes. The backend compiled
     this segment for the strides the trace gave that value, and the earlier
     segment's compiled code may return it with others (inductor chose
     contiguous outputs for a transposed ``where`` on CUDA, and this
@@ -69,7 +69,9 @@ class Segment:
     out_names: list[str]
     fn: Callable[..., Any] | None = None
     calls: int = 0
-    restride: list[tuple[int, tuple[Callable[..., int], ...]]] = dataclasses.field(default_factory=list)
+    restride: list[tuple[int, tuple[int, ...] | None, tuple[Callable[..., int], ...]]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 @dataclasses.dataclass
@@ -258,7 +260,7 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
 
 def _restride_plan(
     seg: Segment, nodes: list[torch.fx.Node], computed: set[str], to_value: Callable[[Any], Callable[..., int]]
-) -> list[tuple[int, tuple[Callable[..., int], ...]]]:
+) -> list[tuple[int, tuple[int, ...] | None, tuple[Callable[..., int], ...]]]:
     """The inputs of ``seg`` computed by an earlier segment, with the strides
     the trace gave them (see :attr:`Segment.restride`). The lifted inputs
     are in the cache key with their strides, and opaque results are
@@ -268,8 +270,10 @@ def _restride_plan(
     for i, name in enumerate(seg.in_names):
         val = vals.get(name)
         if name in computed and isinstance(val, torch.Tensor) and val.layout is torch.strided:
+            strides = tuple(val.stride())
+            static = None if any(isinstance(x, torch.SymInt) for x in strides) else tuple(int(x) for x in strides)
             try:
-                plan.append((i, tuple(to_value(x) for x in val.stride())))
+                plan.append((i, static, tuple(to_value(x) for x in strides)))
             except ValueError as e:  # a stride the size check cannot compute
                 # left out: the backend's own check (inductor's) still
                 # catches other strides at the first call
@@ -278,10 +282,9 @@ def _restride_plan(
 
 
 def _restrided(value: Any, strides: Sequence[int]) -> Any:
-    """``value`` in ``strides`` (a copy, values unchanged) if its strides
-    differ from them in a dimension of more than one element, else itself."""
-    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
-        return value
+    """``value`` (a strided tensor) in ``strides`` (a copy, values
+    unchanged) if its strides differ from them in a dimension of more than
+    one element, else itself."""
     have = value.stride()
     shape = value.shape
     if all(n <= 1 or a == b for n, a, b in zip(shape, have, strides)):
@@ -445,8 +448,11 @@ def run(
     for step in sg.steps:
         if isinstance(step, Segment):
             args = [env[n] for n in step.in_names]
-            for i, strides in step.restride:
-                args[i] = _restrided(args[i], [f(*sym_values) for f in strides])
+            for i, static, fns in step.restride:
+                v = args[i]
+                want = static if static is not None else tuple(f(*sym_values) for f in fns)
+                if isinstance(v, torch.Tensor) and v.layout is torch.strided and v.stride() != want:
+                    args[i] = _restrided(v, want)
             try:
                 outs = step.fn(args, sizes, [], [], [])
             except Exception as e:
