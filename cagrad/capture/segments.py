@@ -54,14 +54,14 @@ _PASS_THROUGH = frozenset(
 class Segment:
     """A run of tensor ops, compiled on its own.
 
-    ``restride``: ``(input index, static strides or None, stride functions
-    of the symbol values)`` of each input that an earlier segment computes. The backend compiled
-    this segment for the strides the trace gave that value, and the earlier
-    segment's compiled code may return it with others (inductor chose
-    contiguous outputs for a transposed ``where`` on CUDA, and this
-    segment's size-and-stride assert then failed); such an input is copied
-    into the traced strides before the call (:func:`run`), as an opaque
-    call's result is (:func:`_conform`).
+    ``restride``: ``(input index, static strides or None, stride
+    functions of the symbol values)`` of each input that an earlier segment
+    computes. The backend compiled this segment for the strides the trace
+    gave that value, and the earlier segment's compiled code may return it
+    with others (inductor returned a transposed ``where`` contiguous on
+    CUDA, and this segment's size-and-stride assert then failed); such an
+    input is copied into the traced strides before the call (:func:`run`),
+    as an opaque call's result is (:func:`_conform`).
     """
 
     graph_module: torch.fx.GraphModule
