@@ -198,21 +198,30 @@ def test_a_campaign_stopped_by_sigterm_resumes_its_rounds(tmp_path: Path) -> Non
     assert len(again["sessions"]) == 2
 
 
-def test_programs_that_fell_back_are_kept_as_samples_per_reason(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def _exp_campaign(out: Path, plugin: str) -> dict:
+    """A small campaign of exp/sin/neg/sum programs under one plugin
+    subject of broken_subject.py; its report."""
     proc = _campaign(
         "--budget", "60", "--max-programs", "25", "--seed", "4", "--out", str(out),
-        "--plugin", f"{HERE / 'broken_subject.py'}:FallsBackOnExp", "--no-progress", "--known", "none",
+        "--plugin", f"{HERE / 'broken_subject.py'}:{plugin}", "--no-progress", "--known", "none",
         "--ops", "exp,sin,neg,sum", "--no-hooks", "--no-shapes", "--neighbours", "0",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads((out / "report.json").read_text())
+    return json.loads((out / "report.json").read_text())
+
+
+def _all_hold_exp(out: Path, samples: list[str]) -> bool:
+    return all("exp" in Program.from_json((out / path).read_text()).op_names() for path in samples)
+
+
+def test_programs_that_fell_back_are_kept_as_samples_per_reason(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    report = _exp_campaign(out, "FallsBackOnExp")
     where = "falls_back[exp]@cpu"
     fell_back = report["fallback_reasons"][where]["planted"]
     samples = report["fallback_samples"][where]["planted"]
     assert 1 <= len(samples) == min(3, report["outcome_counts"][where]["fallback"]) and fell_back >= len(samples)
-    for path in samples:
-        assert "exp" in Program.from_json((out / path).read_text()).op_names()
+    assert _all_hold_exp(out, samples)
     # a report with samples still passes the report schema
     from fuzz.report.load import load_report
 
@@ -221,20 +230,13 @@ def test_programs_that_fell_back_are_kept_as_samples_per_reason(tmp_path: Path) 
 
 def test_programs_with_a_segment_that_failed_to_compile_are_kept_as_samples(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = _campaign(
-        "--budget", "60", "--max-programs", "25", "--seed", "4", "--out", str(out),
-        "--plugin", f"{HERE / 'broken_subject.py'}:SegmentFailsOnExp", "--no-progress", "--known", "none",
-        "--ops", "exp,sin,neg,sum", "--no-hooks", "--no-shapes", "--neighbours", "0",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads((out / "report.json").read_text())
+    report = _exp_campaign(out, "SegmentFailsOnExp")
     where = "segment_fails[exp]@cpu"
     failed = report["engine_counts"][where]["segment_compile_failures"]
     samples = report["fallback_samples"][where]["segment_compile_failures"]
     assert 1 <= len(samples) <= min(3, failed)  # one sample per program, three at most
     assert report["outcome_counts"][where] == {"equal": report["programs_run"]}  # not a divergence
-    for path in samples:
-        assert "exp" in Program.from_json((out / path).read_text()).op_names()
+    assert _all_hold_exp(out, samples)
 
 
 @pytest.mark.parametrize("preset, expected", [(None, "1"), ("0", "0")])
