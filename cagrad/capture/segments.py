@@ -86,6 +86,12 @@ class OpaqueStep:
     # which results may be non-strided (see layout_free): a bool for a single
     # result, the set of indices for a list
     layout_free: Any = False
+    # the values it reads that a segment computed, restrided in place in the
+    # run's values before the call (see Segment.restride): (name, static
+    # strides or None, stride functions)
+    restride: list[tuple[str, tuple[int, ...] | None, tuple[Callable[..., int], ...]]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 class SpeculationFailed(Exception):
@@ -249,25 +255,29 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
     computed: set[str] = set()  # values computed by the segments so far
     for group, needed in zip(groups, needed_after):
         if isinstance(group, OpaqueStep):
+            read = list(dict.fromkeys(a.name for a in group.node.all_input_nodes))
+            vals = {a.name: a.meta.get("val") for a in group.node.all_input_nodes}
+            group.restride = [(read[k], static, fns) for k, static, fns in _restride_plan(read, vals, computed, to_value)]
             steps.append(group)
         else:
             seg = _segment(gm, group, needed, size_reads)
-            seg.restride = _restride_plan(seg, group, computed, to_value)
+            vals = {a.name: a.meta.get("val") for node in group for a in node.all_input_nodes}
+            seg.restride = _restride_plan(seg.in_names, vals, computed, to_value)
             computed.update(seg.out_names)
             steps.append(seg)
     return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
 
 
 def _restride_plan(
-    seg: Segment, nodes: list[torch.fx.Node], computed: set[str], to_value: Callable[[Any], Callable[..., int]]
+    names: list[str], vals: dict[str, Any], computed: set[str], to_value: Callable[[Any], Callable[..., int]]
 ) -> list[tuple[int, tuple[int, ...] | None, tuple[Callable[..., int], ...]]]:
-    """The inputs of ``seg`` computed by an earlier segment, with the strides
-    the trace gave them (see :attr:`Segment.restride`). The lifted inputs
-    are in the cache key with their strides, and opaque results are
-    conformed to the trace (:func:`_check`): neither needs it."""
-    vals = {a.name: a.meta.get("val") for node in nodes for a in node.all_input_nodes}
+    """Of the values ``names`` a step reads, those a segment computed
+    (``computed``), by position, with the strides the trace gave them (their
+    fake ``vals``; see :attr:`Segment.restride`). The lifted inputs are in
+    the cache key with their strides, and opaque results are conformed to
+    the trace (:func:`_check`): neither needs it."""
     plan = []
-    for i, name in enumerate(seg.in_names):
+    for i, name in enumerate(names):
         val = vals.get(name)
         if name in computed and isinstance(val, torch.Tensor) and val.layout is torch.strided:
             strides = tuple(val.stride())
@@ -277,21 +287,38 @@ def _restride_plan(
             except ValueError as e:  # a stride the size check cannot compute
                 # left out: the backend's own check (inductor's) still
                 # catches other strides at the first call
-                log.debug("cagrad: segment input %s keeps the strides it gets: %s", name, e)
+                log.debug("cagrad: %s keeps the strides it gets: %s", name, e)
     return plan
 
 
 def _restrided(value: Any, strides: Sequence[int]) -> Any:
     """``value`` (a strided tensor) in ``strides`` (a copy, values
     unchanged) if its strides differ from them in a dimension of more than
-    one element, else itself."""
+    one element and ``strides`` give each element a place of its own, else
+    itself (an expanded layout, stride 0, cannot be written into: the
+    backend's own check, if any, then decides)."""
     have = value.stride()
     shape = value.shape
     if all(n <= 1 or a == b for n, a, b in zip(shape, have, strides)):
         return value
+    if not _distinct_places(shape, strides):
+        return value
     out = torch.empty_strided(shape, tuple(strides), dtype=value.dtype, device=value.device)
     out.copy_(value)
     return out
+
+
+def _distinct_places(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether no two elements of a ``shape`` tensor with ``strides`` share
+    memory: sorted by stride, each dimension of more than one element steps
+    over the whole extent of the ones before it (a sufficient test)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return False
+        extent = st * n
+    return True
 
 
 def _segment(
@@ -468,6 +495,13 @@ def run(
             step.calls += 1
             env.update(zip(step.out_names, outs))
             continue
+        for name, static, fns in step.restride:
+            # in the values themselves: every later reader, and a hook that
+            # changes the gradient in place, see one tensor (as in eager)
+            v = env[name]
+            want = static if static is not None else tuple(f(*sym_values) for f in fns)
+            if isinstance(v, torch.Tensor) and v.layout is torch.strided and v.stride() != want:
+                env[name] = _restrided(v, want)
         args = _materialize(step.args, env)
         result = step.node.target(*args)
         try:

@@ -1,5 +1,6 @@
-"""A value that one graph segment computes and a later one reads reaches the
-later one in the strides that segment was compiled for.
+"""A value that one graph segment computes reaches the steps that read it
+later in the strides the trace gave it: a later segment, compiled for those
+strides, and a hook or AccumulateGrad, which see eager's layout.
 
 Found on the H100: inductor returned a transposed ``where`` from one segment
 contiguous, and the next segment's size-and-stride assert failed at its
@@ -86,3 +87,51 @@ def test_symbolic_strides_of_a_crossing_value_follow_the_sizes():
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["segment_compile_failures"] == 0
     assert cagrad.counters["captures"] <= 2
+
+
+def _transposed_grad(hook) -> list:
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.rand((2, 2, 4), generator=g).requires_grad_(True)
+    x2 = torch.rand((2, 1, 4), generator=g).requires_grad_(True)
+    c = torch.rand((), generator=g).requires_grad_(True)
+    v3 = x1.transpose(0, 1)
+    v3.register_hook(hook)  # its gradient comes from minimum's backward, transposed
+    (torch.minimum(v3, x2).sum() * c).backward()
+    return [x1.grad, x2.grad, c.grad]
+
+
+def test_a_hook_sees_the_strides_eager_gives_it():
+    expected: list = []
+    _transposed_grad(lambda g: expected.append(g.stride()))
+    assert expected == [(4, 8, 1)]  # transposed, from x1's layout
+    seen: list = []
+    with cagrad.enable("cagrad_test_contiguous_outputs", dynamic=False):
+        for _ in range(2):
+            _transposed_grad(lambda g: seen.append(g.stride()))
+    assert seen == expected * 2
+    assert cagrad.counters["segment_compile_failures"] == 0
+
+
+def test_a_hook_that_changes_a_restrided_gradient_in_place_changes_what_follows():
+    def doubles(g):
+        g.mul_(2)  # returns None: the same, changed tensor goes on
+
+    expected = _transposed_grad(doubles)
+    with cagrad.enable("cagrad_test_contiguous_outputs", dynamic=False):
+        for _ in range(2):
+            got = _transposed_grad(doubles)
+            for a, b in zip(expected, got):
+                same(a, b)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+
+
+def test_only_layouts_with_a_place_per_element_are_written_into():
+    from cagrad.capture.segments import _distinct_places, _restrided
+
+    assert _distinct_places((2, 2, 4), (4, 8, 1)) and _distinct_places((2, 1, 4), (4, 99, 1))
+    assert not _distinct_places((2, 2, 4), (0, 4, 1))  # expanded
+    assert not _distinct_places((2, 3), (1, 1))  # overlapping
+    t = torch.arange(16.0).reshape(2, 2, 4)
+    moved = _restrided(t, (4, 8, 1))
+    assert moved.stride() == (4, 8, 1) and torch.equal(moved, t)
+    assert _restrided(t, (0, 0, 1)) is t  # an expanded target keeps the value as it is
