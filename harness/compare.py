@@ -2,7 +2,12 @@
 
 Tensors are compared with ``torch.testing.assert_close`` (dtype, device and
 layout must match exactly, strides are not compared, NaN equals NaN) under the
-tolerance the caller's policy gives for the expected tensor's dtype. When they
+tolerance the caller's policy gives for the expected tensor's dtype. With
+``CAGRAD_FUZZ_STRIDES=1`` in the environment (read at each comparison, so a
+campaign's workers and a reproducer see it too), tensors that agree in value
+must also agree in strides, in every dimension of more than one element,
+unless eager's is expanded (stride 0): a hook or a caller that reads strides
+or calls ``view`` then behaves as under eager. When they
 differ, the greatest absolute and relative errors are computed in float64 (or
 complex128) on the CPU and reported in a :class:`~harness.outcome.Mismatch`.
 
@@ -14,6 +19,7 @@ the float32 policy, anything else with ``==``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,6 +68,25 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.to_dense() if t.layout != torch.strided else t
 
 
+#: the environment variable that turns the stride comparison on ("1")
+STRIDES_ENV = "CAGRAD_FUZZ_STRIDES"
+
+
+def strides_differ(expected: torch.Tensor, actual: torch.Tensor) -> str | None:
+    """How ``actual``'s strides differ from ``expected``'s (same shape), or
+    None: dimensions of one element are not compared (their stride means
+    nothing), nor is an ``expected`` with a stride 0 (expanded) or a layout
+    that is not strided."""
+    if expected.layout is not torch.strided or actual.layout is not torch.strided:
+        return None
+    shape, es, acts = expected.shape, expected.stride(), actual.stride()
+    if any(n > 1 and st == 0 for n, st in zip(shape, es)):
+        return None
+    if all(n <= 1 or a == b for n, a, b in zip(shape, es, acts)):
+        return None
+    return f"strides differ: eager {tuple(es)}, subject {tuple(acts)}"
+
+
 def compare_tensor(
     expected: torch.Tensor | None,
     actual: torch.Tensor | None,
@@ -95,6 +120,10 @@ def compare_tensor(
         max_abs, max_rel = error_magnitudes(expected, actual)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "values differ"
         return Mismatch(where, first, max_abs=max_abs, max_rel=max_rel, rtol=tol.rtol, atol=atol)
+    if os.environ.get(STRIDES_ENV) == "1":
+        detail = strides_differ(expected, actual)
+        if detail is not None:
+            return Mismatch(where, detail)
     return None
 
 

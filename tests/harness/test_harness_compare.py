@@ -75,3 +75,19 @@ def test_scaled_atol_is_relative_to_expected_magnitude():
     a = torch.tensor([1000.0, 5e-3])  # 5e-3 <= 1e-5 * 1000
     assert compare_tensor(e, a, "x", lambda dt: scaled) is None
     assert compare_tensor(e, a, "x", lambda dt: Tolerance(0.0, 1e-5)) is not None
+
+
+def test_strides_are_compared_only_when_the_environment_asks(monkeypatch):
+    eager = torch.arange(16.0).reshape(2, 2, 4).transpose(0, 1)  # strides (4, 8, 1)
+    subject = eager.contiguous()  # the same values, strides (8, 4, 1)
+    monkeypatch.delenv("CAGRAD_FUZZ_STRIDES", raising=False)
+    assert compare_tensor(eager, subject, "x", tol) is None
+    monkeypatch.setenv("CAGRAD_FUZZ_STRIDES", "1")
+    m = compare_tensor(eager, subject, "leaf 0 .grad", tol)
+    assert m.where == "leaf 0 .grad" and m.detail == "strides differ: eager (4, 8, 1), subject (8, 4, 1)"
+    assert compare_tensor(eager, eager.clone(), "x", tol) is None  # clone keeps a dense layout
+    # a dimension of one element has no meaningful stride; an expanded eager tensor is compared by value
+    assert compare_tensor(torch.ones(3, 1), torch.ones(1, 3).t(), "x", tol) is None
+    assert compare_tensor(torch.ones(3).expand(2, 3), torch.ones(2, 3), "x", tol) is None
+    # values are checked first
+    assert "strides" not in compare_tensor(eager, subject + 1, "x", tol).detail
