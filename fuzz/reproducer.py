@@ -62,9 +62,16 @@ NEIGHBOURS = {neighbours!r}
 # Where the fuzz package was when this file was written; used only when
 # "import fuzz" fails (the project is not installed).
 PROJECT_ROOT = {project_root!r}
+# Settings the campaign ran with that change what is compared; set unless
+# the environment sets them.
+ENVIRONMENT = {environment!r}
 
 
 def main(argv=None):
+    import os
+
+    for key, value in ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
     try:
         import fuzz.reproducer  # noqa: F401
     except ImportError:
@@ -119,7 +126,19 @@ def render_reproducer(
         plugins=[_absolute_plugin(p) for p in plugins],
         devices=list(devices),
         project_root=PROJECT_ROOT,
+        environment=_comparison_environment(),
     )
+
+
+def _comparison_environment() -> dict[str, str]:
+    """The environment settings of this process that change what the
+    harness compares (:data:`harness.compare.STRIDES_ENV`), for the
+    reproducer to run with."""
+    import os
+
+    from harness.compare import STRIDES_ENV
+
+    return {k: os.environ[k] for k in (STRIDES_ENV,) if k in os.environ}
 
 
 def _docstring_code(source: str) -> str:

@@ -114,3 +114,19 @@ class SegmentFailsOnExp(harness.EagerSubject):
 
     def counters(self):
         return {"segment_compile_failures": self.failures}
+
+
+class TransposedGrads(harness.EagerSubject):
+    """Eager autograd whose 2-D ``.grad`` values come back with transposed
+    strides: the same values in another layout, a difference only
+    ``CAGRAD_FUZZ_STRIDES=1`` reports."""
+
+    def __init__(self) -> None:
+        super().__init__("transposed[grads]")
+
+    def run(self, run: ProgramRun):
+        result = run_backward(run)
+        for leaf in run.leaves:
+            if leaf.grad is not None and leaf.grad.dim() == 2:
+                leaf.grad = leaf.grad.t().contiguous().t()
+        return result

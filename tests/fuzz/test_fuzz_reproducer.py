@@ -63,6 +63,20 @@ def test_reproducer_exits_1_for_an_injected_divergence(tmp_path: Path) -> None:
     assert "broken[mul]" in proc.stdout and "mismatch" in proc.stdout
 
 
+@pytest.mark.parametrize("strides", [False, True])
+def test_a_reproducer_compares_strides_if_its_campaign_did(tmp_path: Path, monkeypatch, strides: bool) -> None:
+    if strides:
+        monkeypatch.setenv("CAGRAD_FUZZ_STRIDES", "1")
+    else:
+        monkeypatch.delenv("CAGRAD_FUZZ_STRIDES", raising=False)
+    plugin = f"{HERE / 'broken_subject.py'}:TransposedGrads"
+    path = write_reproducer(tmp_path / "strides.py", _program("sin"), plugins=[plugin], devices=["cpu"])
+    monkeypatch.delenv("CAGRAD_FUZZ_STRIDES", raising=False)  # the file itself carries it
+    proc = _run(path)
+    assert proc.returncode == (1 if strides else 0), proc.stdout + proc.stderr
+    assert ("strides differ" in proc.stdout) == strides
+
+
 def _main_of(path: Path):
     return runpy.run_path(str(path), run_name="reproducer_under_test")["main"]
 
