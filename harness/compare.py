@@ -2,14 +2,15 @@
 
 Tensors are compared with ``torch.testing.assert_close`` (dtype, device and
 layout must match exactly, strides are not compared, NaN equals NaN) under the
-tolerance the caller's policy gives for the expected tensor's dtype. With
-``CAGRAD_FUZZ_STRIDES=1`` in the environment (read at each comparison, so a
-campaign's workers and a reproducer see it too), tensors that agree in value
-must also agree in strides, in every dimension of more than one element,
-unless eager's is expanded (stride 0): a hook or a caller that reads strides
-or calls ``view`` then behaves as under eager. When they
+tolerance the caller's policy gives for the expected tensor's dtype. When they
 differ, the greatest absolute and relative errors are computed in float64 (or
 complex128) on the CPU and reported in a :class:`~harness.outcome.Mismatch`.
+
+With ``CAGRAD_FUZZ_STRIDES=1`` in the environment (read at each comparison,
+so a campaign's workers and a reproducer see it too), tensors that agree in
+value must also agree in strides, in every dimension of more than one
+element, unless eager's is expanded (stride 0): a hook or a caller that
+reads strides or calls ``view`` then behaves as under eager.
 
 Hook traces are compared structurally: lists/tuples element by element
 (lengths must match), dicts key by key, tensors as above, Python floats with

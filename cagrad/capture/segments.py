@@ -257,7 +257,8 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
         if isinstance(group, OpaqueStep):
             read = list(dict.fromkeys(a.name for a in group.node.all_input_nodes))
             vals = {a.name: a.meta.get("val") for a in group.node.all_input_nodes}
-            group.restride = [(read[k], static, fns) for k, static, fns in _restride_plan(read, vals, computed, to_value)]
+            plan = _restride_plan(read, vals, computed, to_value)
+            group.restride = [(read[k], static, fns) for k, static, fns in plan]
             steps.append(group)
         else:
             seg = _segment(gm, group, needed, size_reads)
