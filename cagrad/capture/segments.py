@@ -292,6 +292,18 @@ def _restride_plan(
     return plan
 
 
+def _as_traced(
+    value: Any, static: tuple[int, ...] | None, fns: tuple[Callable[..., int], ...], sym_values: Sequence[int]
+) -> Any:
+    """``value`` in the strides of a restride plan entry (:attr:`Segment.restride`)
+    at these symbol values: itself where it has them (one tuple compare on
+    the run path), else :func:`_restrided`."""
+    want = static if static is not None else tuple(f(*sym_values) for f in fns)
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and value.stride() != want:
+        return _restrided(value, want)
+    return value
+
+
 def _restrided(value: Any, strides: Sequence[int]) -> Any:
     """``value`` (a strided tensor) in ``strides`` (a copy, values
     unchanged) if its strides differ from them in a dimension of more than
@@ -477,10 +489,7 @@ def run(
         if isinstance(step, Segment):
             args = [env[n] for n in step.in_names]
             for i, static, fns in step.restride:
-                v = args[i]
-                want = static if static is not None else tuple(f(*sym_values) for f in fns)
-                if isinstance(v, torch.Tensor) and v.layout is torch.strided and v.stride() != want:
-                    args[i] = _restrided(v, want)
+                args[i] = _as_traced(args[i], static, fns, sym_values)
             try:
                 outs = step.fn(args, sizes, [], [], [])
             except Exception as e:
@@ -499,10 +508,7 @@ def run(
         for name, static, fns in step.restride:
             # in the values themselves: every later reader, and a hook that
             # changes the gradient in place, see one tensor (as in eager)
-            v = env[name]
-            want = static if static is not None else tuple(f(*sym_values) for f in fns)
-            if isinstance(v, torch.Tensor) and v.layout is torch.strided and v.stride() != want:
-                env[name] = _restrided(v, want)
+            env[name] = _as_traced(env[name], static, fns, sym_values)
         args = _materialize(step.args, env)
         result = step.node.target(*args)
         try:
