@@ -12,6 +12,7 @@ with the same structure, chosen by the ``.json`` extension)::
     id = "torch-ca-hook-order"     # unique, required
     pattern = "torch_ca*@* mismatch trace: trace: hook events in another order"
     subjects = ["torch_ca*"]       # optional globs over the subject name
+    ops = ["index_select"]         # optional globs over the program's ops
     torch = ">=2.13,<2.14"         # optional PEP 440 specifier
     note = "what torch does"       # required
     link = "https://github.com/pytorch/pytorch/issues/..."  # optional
@@ -21,8 +22,13 @@ with ``*`` and ``?`` as wildcards; square brackets are literal, because
 subject names contain them (``torch_ca[eager]``). An entry applies only when
 the subject matches one of ``subjects`` (any subject when absent) and the
 torch version satisfies ``torch`` (pre-releases and local versions such as
-``2.13.0a0+git1234`` or ``2.13.0+cpu`` included). Entries are tried in file
-order; the first that matches wins.
+``2.13.0a0+git1234`` or ``2.13.0+cpu`` included), and, where ``ops`` is
+given, only to a program each of whose globs matches one of its op names
+(:meth:`fuzz.ir.Program.op_names`; the program the divergence was found in,
+before shrinking). ``ops`` narrows an entry for a bug of a backend's kernel:
+a value mismatch names no op in its signature, and an entry that matched
+every value mismatch of a subject would hide that subject's own bugs.
+Entries are tried in file order; the first that matches wins.
 
 The shipped :meth:`KnownIssues.default` file, ``fuzz/known_issues.toml``,
 lists torch's compiled autograd's divergences.
@@ -35,7 +41,7 @@ import fnmatch
 import json
 import re
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +54,7 @@ SCHEMA = 1
 DEFAULT_PATH = Path(__file__).with_name("known_issues.toml")
 
 _REQUIRED = ("id", "pattern", "note")
-_OPTIONAL = ("subjects", "torch", "link")
+_OPTIONAL = ("subjects", "ops", "torch", "link")
 _TOP_LEVEL = ("schema", "issue")
 
 
@@ -72,6 +78,8 @@ class KnownIssue:
         pattern: a glob over the whole signature
             (``"torch_ca*@* error AssertionError: *queue_callback*"``).
         subjects: globs over the subject name; empty for any subject.
+        ops: globs over op names, each of which some op of the program must
+            match; empty for any program.
         torch: a PEP 440 specifier over torch's version (``">=2.11,<2.14"``),
             or ``None`` for any version.
         note: what is known (what the subject does, why).
@@ -84,6 +92,7 @@ class KnownIssue:
     torch: str | None = None
     note: str = ""
     link: str = ""
+    ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # validated here so that an entry built in code fails like a file does
@@ -91,6 +100,7 @@ class KnownIssue:
         object.__setattr__(self, "_spec", spec)
         object.__setattr__(self, "_pattern_re", _glob(self.pattern))
         object.__setattr__(self, "_subject_res", tuple(_glob(s) for s in self.subjects))
+        object.__setattr__(self, "_op_res", tuple(_glob(o) for o in self.ops))
 
     def applies_to(self, subject: str, torch_version: str) -> bool:
         """Whether this entry covers ``subject`` under torch ``torch_version``.
@@ -103,17 +113,31 @@ class KnownIssue:
         spec: SpecifierSet | None = self._spec  # type: ignore[attr-defined]
         return spec is None or spec.contains(_version(torch_version), prereleases=True)
 
-    def matches(self, signature: str, torch_version: str) -> bool:
+    def matches(self, signature: str, torch_version: str, ops: Sequence[str] | None = None) -> bool:
         """Whether ``signature`` (:func:`fuzz.signature.make_signature`)
-        is this known issue under torch ``torch_version``."""
-        return bool(self._pattern_re.match(signature)) and self.applies_to(  # type: ignore[attr-defined]
-            signature_subject(signature), torch_version
+        is this known issue under torch ``torch_version``, for a program
+        whose op names are ``ops`` (None: not known, and an entry with
+        ``ops`` does not match)."""
+        return (
+            bool(self._pattern_re.match(signature))  # type: ignore[attr-defined]
+            and self.applies_to(signature_subject(signature), torch_version)
+            and self._uses_ops(ops)
         )
+
+    def _uses_ops(self, ops: Sequence[str] | None) -> bool:
+        op_res: tuple[re.Pattern[str], ...] = self._op_res  # type: ignore[attr-defined]
+        if not op_res:
+            return True
+        if ops is None:
+            return False
+        return all(any(r.match(op) for op in ops) for r in op_res)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "pattern": self.pattern}
         if self.subjects:
             out["subjects"] = list(self.subjects)
+        if self.ops:
+            out["ops"] = list(self.ops)
         if self.torch is not None:
             out["torch"] = self.torch
         out["note"] = self.note
@@ -163,16 +187,17 @@ class KnownIssues:
     def __repr__(self) -> str:
         return f"KnownIssues({len(self.issues)} issues from {self.path})"
 
-    def match(self, signature: str, torch_version: str) -> KnownIssue | None:
+    def match(self, signature: str, torch_version: str, ops: Sequence[str] | None = None) -> KnownIssue | None:
         """The first entry that matches ``signature`` under torch
-        ``torch_version`` (``torch.__version__``), or ``None``.
+        ``torch_version`` (``torch.__version__``) for a program with op
+        names ``ops`` (see :meth:`KnownIssue.matches`), or ``None``.
 
         Raises:
             ValueError: ``torch_version`` is not a PEP 440 version.
         """
         _version(torch_version)
         for issue in self.issues:
-            if issue.matches(signature, torch_version):
+            if issue.matches(signature, torch_version, ops):
                 return issue
         return None
 
@@ -293,6 +318,12 @@ def _parse_entry(entry: Any, i: int, path: Path, lines: _TomlLines | None) -> Kn
             f"{_where(path, lines, i, 'subjects')}: 'subjects' must be a list of glob strings "
             f"(e.g. [\"torch_ca*\"]), got {subjects!r}"
         )
+    ops = entry.get("ops", [])
+    if not isinstance(ops, list) or not all(isinstance(o, str) and o for o in ops):
+        raise KnownIssuesError(
+            f"{_where(path, lines, i, 'ops')}: 'ops' must be a list of glob strings over op names "
+            f"(e.g. [\"index_select\"]), got {ops!r}"
+        )
     torch_spec = entry.get("torch")
     if torch_spec is not None:
         try:
@@ -306,6 +337,7 @@ def _parse_entry(entry: Any, i: int, path: Path, lines: _TomlLines | None) -> Kn
         id=entry["id"],
         pattern=entry["pattern"],
         subjects=tuple(subjects),
+        ops=tuple(ops),
         torch=torch_spec,
         note=entry["note"],
         link=entry.get("link", ""),

@@ -323,12 +323,12 @@ class Campaign:
         rec = crash_record(w.program, subject, device, outcome, self.plugin_of.get(subject))
         # a crash or hang the known-issues file lists is counted there, as a
         # divergence is: not recorded, not shrunk, no effect on the exit status
-        issue = self._known.match(rec["signature"], torch.__version__) if self._known is not None else None
+        program = Program.from_json(w.program)
+        issue = self._known.match(rec["signature"], torch.__version__, program.op_names()) if self._known is not None else None
         known = [] if issue is None else [
             {"id": issue.id, "signature": rec["signature"], "note": issue.note or "", "link": issue.link or ""}
         ]
         if w.phase == "gen" and not (self._stopping and self.cfg.max_programs is not None):
-            program = Program.from_json(w.program)
             self.state.count_program(
                 {"ops": program.op_names(), "features": list(program.features()), "outcomes": [], "hits": [],
                  "known": known, "build_error": None}

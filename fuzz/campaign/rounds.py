@@ -227,7 +227,7 @@ class RoundRunner:
             if f.signature in self.settled:
                 stats["hits"].append(f.signature)
                 continue
-            issue = self.known.match(f.signature, self.torch_version) if self.known is not None else None
+            issue = self.known.match(f.signature, self.torch_version, program.op_names()) if self.known is not None else None
             if issue is not None:
                 stats["known"].append(
                     {"id": issue.id, "signature": f.signature, "note": issue.note or "", "link": issue.link or ""}

@@ -133,3 +133,91 @@ def test_empty_broadcast_names_an_empty_tensor_with_every_stride_zero():
     assert backends._empty_broadcast(gm) == "getitem_2 (shape [2, 5, 0], strides [0, 0, 0])"
     gm.graph.erase_node(list(gm.graph.nodes)[-1])
     assert backends._empty_broadcast(gm) is None
+
+
+def _scatter_graph(target, result_shape, source, device, accumulate=None):
+    """``target(result, ..., source)`` with fake values: the result of
+    ``result_shape`` on ``device``, ``source`` built from a fake tensor."""
+    graph = torch.fx.Graph()
+    inputs = graph.placeholder("inputs")
+    with FakeTensorMode():
+        zeros = torch.zeros(result_shape, device=device)
+        src = source(device)
+        index = torch.zeros(src.shape[-1], dtype=torch.long, device=device)
+        reads = []
+        for i, val in enumerate((zeros, index, src)):
+            node = graph.call_function(operator.getitem, (inputs, i))
+            node.meta["val"] = val
+            reads.append(node)
+        if target is torch.ops.aten.index_put.default:
+            args = (reads[0], [reads[1]], reads[2], accumulate)
+            val = target(zeros, [index], src, accumulate)
+        else:
+            dim = len(result_shape) - 1
+            args = (reads[0], dim, reads[1], reads[2])
+            val = target(zeros, dim, index, src)
+    out = graph.call_function(target, args)
+    out.meta["val"] = val
+    graph.output([out])
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _expanded(device):
+    return torch.ones((), device=device).expand(1, 1, 3)
+
+
+@pytest.mark.parametrize(
+    "target, result_shape, source, device, accumulate, named",
+    [
+        # the backward of index_select on a one-element leaf, on CUDA
+        (torch.ops.aten.index_add.default, (1, 1, 1), _expanded, "cuda", None, True),
+        (torch.ops.aten.index_add.default, (1, 1, 1), _expanded, "cpu", None, False),  # CPU inductor is right
+        # a dense source, or a result of two elements, compiles right
+        (torch.ops.aten.index_add.default, (1, 1, 1), lambda d: torch.ones(1, 1, 3, device=d), "cuda", None, False),
+        (torch.ops.aten.index_add.default, (1, 1, 2), _expanded, "cuda", None, False),
+        # a source of one element is added once whatever the lanes
+        (torch.ops.aten.index_add.default, (1, 1, 1), lambda d: torch.ones((), device=d).expand(1, 1, 1), "cuda", None, False),
+        (torch.ops.aten.index_put.default, (1,), lambda d: torch.ones((), device=d).expand(3), "cuda", True, True),
+        (torch.ops.aten.index_put.default, (1,), lambda d: torch.ones((), device=d).expand(3), "cuda", False, False),
+    ],
+)
+def test_one_element_broadcast_scatter_names_an_expanded_add_into_one_cuda_element(
+    target, result_shape, source, device, accumulate, named
+):
+    gm = _scatter_graph(target, result_shape, source, device, accumulate)
+    found = backends._one_element_broadcast_scatter(gm)
+    assert (found is not None) is named, found
+    if named:
+        with pytest.raises(cagrad.Unsupported) as err:
+            backends.check_graph("inductor", gm)
+        assert err.value.reason == "one_element_scatter_add:inductor"
+        backends.check_graph("aot_eager", gm)  # the eager kernels add once per element
+
+
+def _index_select_grad(backend, device):
+    """The program of the campaign's failure (seed 41, H100): index_select
+    of a 1x1x1 leaf with index [0, 0, 0], summed; d(loss)/dx = 3."""
+    x = torch.rand(1, 1, 1, device=device, requires_grad=True)
+    loss = torch.index_select(x, 2, torch.tensor([0, 0, 0], device=device)).sum()
+    if backend is None:
+        loss.backward()
+    else:
+        with cagrad.enable(backend):
+            loss.backward()
+    return x.grad
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+)
+def test_index_select_of_one_element_gets_eagers_gradient_under_inductor(device):
+    """On CUDA the graph falls back with its reason (inductor's kernel gives
+    4.0); on CPU inductor compiles it. Both give eager's 3.0."""
+    cagrad.reset()
+    assert _index_select_grad(None, device).item() == 3.0
+    got = _index_select_grad("inductor", device)
+    assert got.item() == 3.0
+    if device == "cuda":
+        assert dict(cagrad.counters["fallback_reasons"]) == {"one_element_scatter_add:inductor": 1}
+    else:
+        assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["captures"] == 1

@@ -119,6 +119,26 @@ def test_injected_divergence_exits_1_with_a_shrunk_reproducer(tmp_path: Path) ->
     assert sum(f["count"] for f in failures) > len(failures)
 
 
+def test_a_known_issue_narrowed_to_ops_covers_the_programs_that_use_them(tmp_path: Path) -> None:
+    # the campaign hands each program's op names to the known-issues file:
+    # an entry for broken[mul]'s divergence that asks for the op mul covers
+    # all of them (every such program multiplies), so nothing is new
+    known = tmp_path / "known.toml"
+    known.write_text(
+        '[[issue]]\nid = "planted-mul"\npattern = "broken[mul]@cpu mismatch value: *"\n'
+        'ops = ["mu?"]\nnote = "the plugin doubles MulBackward0"\n'
+    )
+    out = tmp_path / "out"
+    proc = _campaign(
+        "--budget", "60", "--max-programs", "12", "--seed", "3", "--out", str(out), "--plugin", BROKEN,
+        "--no-progress", "--known", str(known), "--ops", "mul,sin,sum", "--no-hooks", "--neighbours", "0",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["failures"] == []
+    assert [k["id"] for k in report["known"]] == ["planted-mul"] and report["known"][0]["count"] >= 1
+
+
 def _ops_seen(tmp_path: Path, name: str) -> dict:
     cfg = CampaignConfig(
         budget_s=120,

@@ -67,6 +67,23 @@ def test_matching_by_subject() -> None:
     assert known.match("cagrad[eager]@cpu mismatch value: grad values differ", "2.13.0") is None
 
 
+def test_an_entry_with_ops_matches_only_programs_that_use_every_one() -> None:
+    # a backend's kernel bug: narrowed to the op whose backward hits it, so a
+    # value mismatch of the same subject in another program stays a failure
+    issue = KnownIssue(id="k", pattern="*@cuda mismatch value: *", subjects=("cagrad[inductor*",),
+                       ops=("index_select", "sum*"), note="n")  # fmt: skip
+    known = KnownIssues([issue])
+    sig = "cagrad[inductor]@cuda mismatch value: step <n>/<n>: leaf <n> .grad values differ"
+    assert known.match(sig, "2.11.0", ["mul", "index_select", "sum_dim"]) is issue
+    assert known.match(sig, "2.11.0", ["mul", "sum_dim"]) is None  # one glob matches no op
+    assert known.match(sig, "2.11.0", []) is None
+    assert known.match(sig, "2.11.0") is None  # the program is not known: no match
+    # an entry without ops matches whatever the program
+    plain = KnownIssues([KnownIssue(id="p", pattern="*", note="n")])
+    assert plain.match(sig, "2.11.0") is not None and plain.match(sig, "2.11.0", ["mul"]) is not None
+    assert issue.to_json()["ops"] == ["index_select", "sum*"]
+
+
 def test_json_files_load_too(tmp_path: Path) -> None:
     doc = {"issue": [{"id": "a", "pattern": "x*", "note": "n", "torch": "==2.13.*"}]}
     known = KnownIssues.load(_write(tmp_path, json.dumps(doc), "known.json"))
@@ -91,6 +108,8 @@ def test_json_files_load_too(tmp_path: Path) -> None:
         (GOOD.replace('subjects = ["torch_ca*"]', 'subjects = "torch_ca*"'),
          r"known\.toml:6: issue 1: 'subjects' must be a list of glob strings"),
         (GOOD.replace('id = "any-timeout"', "id = 3"), r"known\.toml:12: issue 2: 'id' must be a non-empty string, got 3"),
+        (GOOD.replace('note = "slow"', 'note = "slow"\nops = "mul"'),
+         r"known\.toml:15: issue 2: 'ops' must be a list of glob strings over op names"),
         # duplicate ids
         (GOOD.replace('"any-timeout"', '"ca-order"'),
          r"known\.toml:12: issue 2: id 'ca-order' is already used by issue 1"),
@@ -179,3 +198,42 @@ def test_the_shipped_file_matches_torch_ca_divergences_on_213() -> None:
             assert known.match(sig, "2.14.0") is None
     # a new divergence of torch_ca is not known
     assert known.match("torch_ca[eager]@cpu error RuntimeError: RuntimeError: something new", "2.13.0") is None
+
+
+def _mismatch(where: str, detail: str) -> dict:
+    return {"status": "mismatch", "error": None, "eager_error": None, "mismatches": [
+        {"where": where, "detail": detail, "max_abs": None, "max_rel": None, "rtol": None, "atol": None}]}  # fmt: skip
+
+
+# Outcomes of the H100 campaign --seed 41 (torch 2.11.0+cu130,
+# CAGRAD_FUZZ_STRIDES=1): (subject, kind, outcome, the program's ops, the
+# subjects the entry covers). cagrad falls back where inductor adds wrongly,
+# so a cagrad subject with that value mismatch is a new failure.
+INDUCTOR_211 = {
+    "inductor-cuda-index-add-one-element-unmasked-atomic": (
+        "cagrad[inductor,reduce-overhead]", "value",
+        _mismatch("step 1/4: leaf 0 .grad", "Tensor-likes are not close!"), ["index_select"],
+        ["torch_ca[inductor]", "torch_ca[inductor,reduce-overhead]"]),
+    "inductor-log-softmax-backward-meta-strides": (
+        "cagrad[inductor]", "meta",
+        _mismatch("grad result 0", "strides differ: eager (45, 9, 3, 1), subject (1, 6, 2, 30) "
+                  "(size variant x2[2, 5, 3, 3] c0[2, 5, 3, 3])"), ["log_softmax", "permute"],
+        ["cagrad[inductor]", "cagrad[inductor,reduce-overhead]", "torch_ca[inductor]",
+         "torch_ca[inductor,reduce-overhead]"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("issue_id", sorted(INDUCTOR_211))
+def test_the_shipped_inductor_entries_match_only_their_ops_and_subjects(issue_id: str) -> None:
+    known = KnownIssues.default()
+    subject, kind, outcome, ops, covered = INDUCTOR_211[issue_id]
+    sig = make_signature(subject, "cuda", "mismatch", kind, {"subject": subject, **outcome})
+    for other in ("cagrad[inductor]", "cagrad[inductor,reduce-overhead]", "torch_ca[inductor]",
+                  "torch_ca[inductor,reduce-overhead]", "cagrad[aot_eager]", "torch_ca[eager]"):  # fmt: skip
+        hit = known.match(sig.replace(subject, other, 1), "2.11.0+cu130", ops)
+        assert (hit.id if hit else None) == (issue_id if other in covered else None), other
+    # the same divergence in a program without the op is a new failure
+    sig = sig.replace(subject, covered[0], 1)
+    issue = known.match(sig, "2.11.0+cu130", ops)
+    assert known.match(sig, "2.11.0+cu130", [op for op in ops if op not in issue.ops]) is None
+    assert known.match(sig, "2.11.0+cu130") is None
