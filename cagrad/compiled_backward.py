@@ -503,14 +503,29 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 MAX_RESPECULATIONS = 3
+# recaptures for an opaque call's layout alone, after which its captures copy
+# such results into the assumed strides (right values, eager's layout lost)
+MAX_LAYOUT_RESPECULATIONS = 3
 
 
 def _respeculate(node: CacheNode, entry: CompiledEntry) -> None:
-    """After a failed check: recapture with the None pattern seen there."""
-    site, pattern = entry.last_deopt
+    """After a failed check: recapture with the None pattern (and the
+    layouts) seen there and at the speculative calls the interpreter ran
+    after it."""
+    site, pattern, layout, seen = entry.last_deopt
+    node.profile.update(seen)
     node.profile[site] = pattern
-    node.respeculations += 1
     node.variants.remove(entry)  # the next backward with these keys traces again
+    if layout:
+        node.layout_respeculations += 1
+        if node.layout_respeculations == MAX_LAYOUT_RESPECULATIONS:
+            log.info(
+                "cagrad: an opaque call's gradient layout changed %d times; this graph's "
+                "captures copy it into the layout they assume from now on",
+                MAX_LAYOUT_RESPECULATIONS,
+            )
+        return
+    node.respeculations += 1
     if node.respeculations > MAX_RESPECULATIONS:
         node.verdict = FallbackVerdict(
             "speculation_failed",
@@ -631,6 +646,7 @@ def _capture(
                 sg = segments.split(traced.graph_module, traced.to_value)
                 segments.compile_segments(sg, lambda gm: compile_graph(gm, symbolic))
                 entry = CompiledEntry(None, traced, segmented=sg)
+                entry.learn_layouts = node.layout_respeculations < MAX_LAYOUT_RESPECULATIONS
             else:
                 entry = CompiledEntry(compile_graph(traced.graph_module, symbolic, static_first=True), traced)
         entry.state = state

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .graph_task import GraphTask, NodeCall
@@ -110,6 +110,20 @@ MUST_BE_NONE = "none"
 PASS = "pass"
 
 
+class Layout:
+    """An opaque call's assumed gradient (``expected``: a fake tensor or
+    ``(shape, dtype, device)``) with the dimension order its strides were
+    seen in at run time (``order``: outermost dimension first), learnt from
+    an earlier run (see BackwardWalk's ``profile``): the trace assumes the
+    dense strides of that order, not the contiguous ones."""
+
+    __slots__ = ("expected", "order")
+
+    def __init__(self, expected: Any, order: tuple[int, ...]) -> None:
+        self.expected = expected
+        self.order = order
+
+
 class Obj:
     """A reference to runtime object ``index`` (``hooks[index]`` in the graph)."""
 
@@ -179,8 +193,11 @@ class BackwardWalk:
             after the graph (no hook or opaque call can observe ``.grad``
             during it), instead of by opaque calls in order.
         profile: for speculative calls whose assumption failed before,
-            ``{(pos, phase): which results were defined}``; the trace then
-            assumes that pattern instead of "every gradient defined".
+            ``{(pos, phase): per result, False (None), True (defined), or
+            the dimension order of a dense gradient in another layout than
+            assumed}``; the trace then assumes that pattern instead of
+            "every gradient defined, in the layout of its metadata"
+            (:class:`Layout`).
     """
 
     def __init__(
@@ -202,6 +219,9 @@ class BackwardWalk:
         self.leaf_grads: list[tuple[int, Any]] = []
         self.position = {id(call): pos for pos, call in enumerate(task.order)}
         self._root_grads: list = []
+        # called with ((pos, phase), results) after each speculative call
+        # (the interpreter's real results: see cagrad.run.runtime)
+        self.observe: Callable[[tuple, Any], None] | None = None
 
     # -- entry points ---------------------------------------------------------
     def start(self, root_grads: list) -> None:
@@ -252,6 +272,7 @@ class BackwardWalk:
                     name,
                     lambda: self._snapshot(pos, Phase.PRE_HOOKS, inputs_=None),
                 )
+                self._observe(pos, Phase.PRE_HOOKS, inputs)
             phase, state = Phase.PRE_HOOKS, inputs
         if phase is Phase.PRE_HOOKS:
             inputs = state
@@ -273,6 +294,7 @@ class BackwardWalk:
                     name,
                     lambda: self._snapshot(pos, Phase.POST_HOOKS, inputs_=None),
                 )
+                self._observe(pos, Phase.POST_HOOKS, outs)
             phase, state = Phase.POST_HOOKS, outs
         self._distribute(call, call.edges, state)
 
@@ -315,18 +337,32 @@ class BackwardWalk:
         )
         op = "call_node" if kind is Kind.OPAQUE else "call_custom_function"
         args = (Obj(plan.node), inputs)
-        return self.ex.opaque(
+        outs = self.ex.opaque(
             op, args, expected, name, lambda: self._snapshot(pos, Phase.APPLY, inputs_=inputs)
         )
+        self._observe(pos, Phase.APPLY, outs)
+        return outs
+
+    def _observe(self, pos: int, phase: Phase, outs: Any) -> None:
+        if self.observe is not None:
+            self.observe((pos, phase), outs)
 
     def _assume(self, pos: int, phase: Phase, expected: list) -> list:
         pattern = self.profile.get((pos, phase))
         if pattern is None or len(pattern) != len(expected):
             return expected
-        return [
-            MUST_BE_NONE if e is not None and e is not PASS and not defined else e
-            for e, defined in zip(expected, pattern)
-        ]
+        out = []
+        for e, seen in zip(expected, pattern):
+            if e is None or e is PASS:
+                out.append(e)
+            elif not seen:
+                out.append(MUST_BE_NONE)
+            elif isinstance(seen, tuple):
+                # a dense gradient in another dimension order than assumed
+                out.append(Layout(e, seen))
+            else:
+                out.append(e)
+        return out
 
     def _expected_grad(self, fn: Any, input_nr: int) -> Any:
         if not self.task.executes(fn):

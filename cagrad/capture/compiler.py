@@ -54,7 +54,7 @@ from ..autograd.accumulate import dense_strides
 from ..autograd.graph_task import GraphTask, NodeCall
 from ..autograd.saved_variables import SwapSavedVariables
 from ..autograd.validate import validate_outputs
-from ..autograd.walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
+from ..autograd.walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, Layout, NodePlan, Obj, ResumePoint
 from ..counters import counters
 from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from ..keys.compiled_node_args import Collector
@@ -259,9 +259,27 @@ def contiguous_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(reversed(strides))
 
 
+def strides_in_order(shape: Sequence[Any], order: Sequence[int]) -> tuple[Any, ...]:
+    """The strides of a dense tensor of ``shape`` whose dimensions, from the
+    outermost, are ``order`` (a permutation; the identity gives
+    :func:`contiguous_strides`)."""
+    strides: list[Any] = [None] * len(shape)
+    acc: Any = 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc = acc * torch.sym_max(shape[d], 1)
+    return tuple(strides)
+
+
 def _spec_of(value: Any) -> Spec | None:
     if value is None:
         return None
+    if isinstance(value, Layout):
+        # learnt from a run (BackwardWalk's profile): the real layout
+        spec = _spec_of(value.expected)
+        if spec is None or sorted(value.order) != list(range(len(spec[0]))):
+            return spec
+        return (spec[0], spec[1], spec[2], strides_in_order(spec[0], value.order))
     if isinstance(value, torch.Tensor):
         # what an opaque call returning "this gradient, maybe replaced" is
         # assumed to return: this layout if it is dense (a copy into it is

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..autograd.accumulate import dense_strides
 from ..autograd.walk import MUST_BE_NONE
 from ..counters import counters
 from . import runtime_ops
@@ -95,10 +96,20 @@ class OpaqueStep:
 
 
 class SpeculationFailed(Exception):
-    def __init__(self, step: OpaqueStep, result: Any) -> None:
+    """An opaque call's result failed the trace's assumption: a None, a
+    non-strided gradient, or (``layout``) a dense gradient in another
+    dimension order, which eager would hand on as it is."""
+
+    def __init__(self, step: OpaqueStep, result: Any, layout: bool = False) -> None:
         super().__init__(step.node.name)
         self.step = step
         self.result = result
+        self.layout = layout
+
+
+# what _conform returns for a dense result in another dimension order than
+# assumed, where the run learns layouts (a failed check)
+_OTHER_LAYOUT = object()
 
 
 @dataclasses.dataclass
@@ -413,31 +424,44 @@ def _materialize(arg: Any, env: dict[str, Any]) -> Any:
     return arg
 
 
-def _conform(value: Any, spec: Any, free: bool) -> Any:
-    """Checks ``value`` against the trace's assumption; copies odd strides.
+def _conform(value: Any, spec: Any, free: bool, learn: bool) -> Any:
+    """Checks ``value`` against the trace's assumption; conforms its strides.
 
     A non-strided ``value`` passes as it is where ``free`` (see
-    :func:`layout_free`); elsewhere it fails the check.
+    :func:`layout_free`); elsewhere it fails the check. Strides that differ
+    only in dimensions of one element (or of an empty tensor) are the same
+    places: a view takes the assumed ones. Other strides: with ``learn``, a
+    dense ``value`` fails the check (the interpreter hands it on as eager
+    does, and the next capture assumes its dimension order); else, and for
+    a layout with gaps or overlaps, it is copied into the assumed strides.
 
     Returns:
-        the value to go on with, or None when the check failed.
+        the value to go on with, None when the check failed, or
+        ``_OTHER_LAYOUT`` when it failed on the layout alone.
     """
     shape, dtype, device, stride = spec
     if tuple(value.shape) != shape or value.dtype != dtype or value.device != device:
         return None
     if value.layout is not torch.strided:
         return value if free else None
-    if tuple(value.stride()) != stride:
-        out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        out.copy_(value)
-        return out
-    return value
+    actual = value.stride()
+    if tuple(actual) == stride:
+        return value
+    if 0 in shape or all(a == s or n == 1 for a, s, n in zip(actual, stride, shape)):
+        return value.as_strided(shape, stride, value.storage_offset())
+    if learn and dense_strides(shape, actual):
+        return _OTHER_LAYOUT
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    out.copy_(value)
+    return out
 
 
-def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int]) -> Any:
+def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int], learn: bool) -> Any:
     spec = step.spec
     if spec is None:
         return result
+    # only a call with a resume point can hand its result on as it is
+    learn = learn and step.resume is not None
     if isinstance(spec, list):
         out = list(result)
         for i, s in enumerate(spec):
@@ -450,16 +474,19 @@ def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int]) -> Any:
                 continue
             if v is None:
                 raise SpeculationFailed(step, result)
-            v = _conform(v, _concrete(s, sym_values), i in step.layout_free)
-            if v is None:
-                raise SpeculationFailed(step, result)
-            out[i] = v
+            out[i] = _conformed(step, result, v, _concrete(s, sym_values), i in step.layout_free, learn)
         return out
     if result is None:
         raise SpeculationFailed(step, result)
-    v = _conform(result, _concrete(spec, sym_values), step.layout_free)
+    return _conformed(step, result, result, _concrete(spec, sym_values), step.layout_free, learn)
+
+
+def _conformed(step: OpaqueStep, result: Any, value: Any, spec: Any, free: bool, learn: bool) -> Any:
+    v = _conform(value, spec, free, learn)
     if v is None:
         raise SpeculationFailed(step, result)
+    if v is _OTHER_LAYOUT:
+        raise SpeculationFailed(step, result, layout=True)
     return v
 
 
@@ -469,7 +496,8 @@ def run(
     sizes: list[int],
     sym_values: Sequence[int],
     objects: Sequence[Any],
-    on_speculation_failed: Callable[[OpaqueStep, Any, dict[str, Any]], list],
+    on_speculation_failed: Callable[[SpeculationFailed, dict[str, Any]], list],
+    learn_layouts: bool = True,
 ) -> list:
     """Runs the steps; returns the graph's outputs.
 
@@ -477,8 +505,10 @@ def run(
     ``sym_values`` the symbol values the opaque calls' assumed shapes are
     evaluated at.
 
-    ``on_speculation_failed(step, real_result, env)`` finishes the backward
+    ``on_speculation_failed(failure, env)`` finishes the backward
     when a check fails and returns the outputs in place of the graph's.
+    ``learn_layouts``: a dense result in another dimension order than the
+    trace assumed fails the check (see :func:`_conform`).
     """
     env: dict[str, Any] = {}
     for name, i in sg.input_reads.items():
@@ -512,9 +542,9 @@ def run(
         args = _materialize(step.args, env)
         result = step.node.target(*args)
         try:
-            result = _check(step, result, sym_values)
+            result = _check(step, result, sym_values, learn_layouts)
         except SpeculationFailed as e:
-            return on_speculation_failed(step, e.result, env)
+            return on_speculation_failed(e, env)
         env[step.node.name] = result
         for index, name in step.items:
             env[name] = result[index]

@@ -34,9 +34,8 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
         cagrad.Unsupported: reason ``backend_denylist:<backend>:<op>``;
             ``empty_broadcast:inductor`` for an inductor graph holding an
             expanded empty tensor (:func:`_empty_broadcast`);
-            ``one_element_scatter_add:inductor`` for one that adds an
-            expanded tensor into a one-element CUDA tensor
-            (:func:`_one_element_broadcast_scatter`).
+            ``one_element_scatter_add:inductor`` for one that adds into a
+            one-element CUDA tensor at indices (:func:`_one_element_scatter`).
     """
     if compiler_fn == "inductor":
         empty = _empty_broadcast(gm)
@@ -46,12 +45,12 @@ def check_graph(compiler_fn: CompilerFn, gm: torch.fx.GraphModule) -> None:
                 f"{empty} has no elements and every stride 0; inductor's kernels may load its "
                 "element 0 from its null address where eager reads nothing",
             )
-        scatter = _one_element_broadcast_scatter(gm)
+        scatter = _one_element_scatter(gm)
         if scatter is not None:
             raise Unsupported(
                 "one_element_scatter_add:inductor",
-                f"{scatter}: inductor's CUDA kernel for it adds once per lane of a block, "
-                "not once per element (see cagrad/compile/backends.py)",
+                f"{scatter}: inductor's CUDA kernel for such an add may add once per lane of "
+                "a block, not once per element (see cagrad/compile/backends.py)",
             )
     denied = _DENYLIST.get(compiler_fn) if isinstance(compiler_fn, str) else None
     if not denied:
@@ -91,53 +90,60 @@ def _empty_broadcast(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
-# ops that add their source into their result at indices it reads (inductor
-# lowers them to atomic adds), with where the source is among the arguments
-_SCATTER_ADDS = {
-    torch.ops.aten.index_add.default: 3,
-    torch.ops.aten.scatter_add.default: 3,
-    torch.ops.aten.scatter_reduce.two: 3,
-    torch.ops.aten.index_reduce.default: 3,
-    torch.ops.aten.index_put.default: 2,
-    torch.ops.aten._unsafe_index_put.default: 2,
-}
+# ops that add a source into their result at indices they read (inductor
+# lowers them to atomic adds)
+_PUTS = frozenset({
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._unsafe_index_put.default,
+    torch.ops.aten._index_put_impl_.default,
+})  # these add only with accumulate=True (their fourth argument)
+_SCATTER_ADDS = _PUTS | frozenset({
+    torch.ops.aten.index_add.default,
+    torch.ops.aten.index_add_.default,
+    torch.ops.aten.scatter_add.default,
+    torch.ops.aten.scatter_add_.default,
+    torch.ops.aten.scatter_reduce.two,
+    torch.ops.aten.scatter_reduce_.two,
+    torch.ops.aten.index_reduce.default,
+    torch.ops.aten.index_reduce_.default,
+    torch.ops.aten.embedding_dense_backward.default,
+})
 
 
-def _one_element_broadcast_scatter(gm: torch.fx.GraphModule) -> str | None:
-    """Names a node of ``gm`` that adds a source with every stride 0 and
-    more than one element into a one-element CUDA tensor (``index_add`` and
-    its kin, :data:`_SCATTER_ADDS`; ``index_put`` only with
-    ``accumulate=True``), or None. Size 1 is never symbolic in a capture, so
-    the result has one element on every call; a source whose element count
-    is a symbol counts as more than one.
+def _one_element_scatter(gm: torch.fx.GraphModule) -> str | None:
+    """Names a node of ``gm`` that adds into a one-element CUDA tensor at
+    indices it reads (``index_add`` and its kin, :data:`_SCATTER_ADDS`;
+    ``index_put`` only with ``accumulate=True``), or None. Size 1 is never
+    symbolic in a capture, so the result has one element on every call.
 
     Why: inductor (torch 2.11, H100) compiles
     ``zeros(1).index_add(0, index, g.expand(n))`` (the backward of
     ``index_select`` on a one-element leaf) into one Triton kernel whose
     store index and source index do not depend on the loop; its
     ``tl.atomic_add`` then has no mask, and every lane of the block adds: 4
-    for n = 3, 8 for n = 5, 128 for n = 70, where eager gives n. A dense
-    source, or a result of two elements, compiles right; CPU inductor
-    (torch 2.13) too. Found by a CUDA fuzz campaign (seed 41); in
-    ``fuzz/known_issues.toml`` as ``inductor-cuda-index-add-one-element-unmasked-atomic``."""
+    for n = 3, 8 for n = 5, 128 for n = 70, where eager gives n. A source
+    read from memory compiled right, but one that inductor computes in the
+    kernel from a broadcast value does not: a traced tensor hook that scales
+    the expanded gradient first gave the same wrong sums (H100 campaign,
+    seed 41). Which sources inductor fuses is inductor's choice, so every
+    such add into one CUDA element is named, whatever its source. A result
+    of two elements, and CPU inductor (torch 2.13), compile right. In
+    ``fuzz/known_issues.toml`` as
+    ``inductor-cuda-index-add-one-element-unmasked-atomic``."""
     for node in gm.graph.nodes:
-        source_at = _SCATTER_ADDS.get(node.target) if node.op == "call_function" else None
-        if source_at is None or len(node.args) <= source_at:
+        if node.op != "call_function" or node.target not in _SCATTER_ADDS:
             continue
-        if node.target in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
+        if node.target in _PUTS:
             accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
             if accumulate is not True:
                 continue
-        val, src = node.meta.get("val"), node.args[source_at]
-        src_val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-        if not (isinstance(val, torch.Tensor) and isinstance(src_val, torch.Tensor)):
-            continue
-        if val.device.type != "cuda" or val.layout != torch.strided or src_val.layout != torch.strided:
-            continue
-        if _static_numel(val) == 1 and _static_numel(src_val) != 1 and all(
-            type(s) is int and s == 0 for s in src_val.stride()
+        val = node.meta.get("val")
+        if (
+            isinstance(val, torch.Tensor) and val.device.type == "cuda"
+            and val.layout == torch.strided and _static_numel(val) == 1
         ):
-            return f"{node.name} ({node.target.name()} of an expanded {list(src_val.shape)} into {list(val.shape)})"
+            return f"{node.name} ({node.target.name()} into {list(val.shape)})"
     return None
 
 

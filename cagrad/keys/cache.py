@@ -30,9 +30,18 @@ class CompiledEntry:
         segmented: the graph cut at its opaque calls, segments compiled.
         calls: how many times it ran; the first run also compiles.
         deopts: runs the interpreter had to finish.
-        last_deopt: ``((pos, phase), which results were defined)`` of the
-            last failed check (``compiler.NON_STRIDED`` for a sparse
-            gradient the graph would have used as a strided one).
+        last_deopt: ``((pos, phase), pattern, layout, seen)`` of the last
+            failed check: per result, whether it was defined
+            (``compiler.NON_STRIDED`` for a sparse gradient the graph would
+            have used as a strided one, a dimension order for a dense one in
+            another layout; see ``cagrad.run.runtime._pattern``), and
+            whether the check failed on a layout alone; ``seen``: the
+            patterns of the speculative calls the interpreter ran after it,
+            by ``(pos, phase)``.
+        learn_layouts: an opaque call's dense result in another dimension
+            order than the trace assumed fails the check (the interpreter
+            hands it on as eager does; the next capture assumes that order)
+            instead of being copied into the assumed strides.
         state: the global state a named backend compiled it in (Dynamo's
             ``GlobalStateGuard``); only a backward in that state runs it
             (:meth:`CacheNode.match`); None for a callable compiler.
@@ -45,6 +54,7 @@ class CompiledEntry:
     deopts: int = 0
     last_deopt: Any = None
     state: Any = None
+    learn_layouts: bool = True
 
     @property
     def check(self) -> Any:
@@ -95,9 +105,13 @@ class CacheNode:
         distinct_slots: slots that changed while others of the same value
             at capture did not: duck sizing gives them symbols of their own
             from then on (see :class:`cagrad.capture.compiler.AutogradCompilerInstance`).
-        profile, respeculations: the None patterns seen where a trace's
-            assumption failed (see :class:`cagrad.autograd.walk.BackwardWalk`), and how
-            often it was recaptured for them.
+        profile, respeculations: the None patterns (and layouts) seen
+            where a trace's assumption failed (see
+            :class:`cagrad.autograd.walk.BackwardWalk`), and how often it was
+            recaptured for a None pattern.
+        layout_respeculations: how often it was recaptured for a layout
+            alone; past a bound, its captures copy such results into the
+            assumed strides (``CompiledEntry.learn_layouts``).
         captures: on the root: how many graphs were captured under it.
         force_opaque: run-order positions of nodes that failed to trace;
             captures of this key sequence call them as they are.
@@ -115,6 +129,7 @@ class CacheNode:
         "distinct_slots",
         "profile",
         "respeculations",
+        "layout_respeculations",
         "captures",
         "force_opaque",
         "guard",
@@ -129,6 +144,7 @@ class CacheNode:
         self.distinct_slots: frozenset[int] = frozenset()
         self.profile: dict[Any, tuple[bool, ...]] = {}
         self.respeculations = 0
+        self.layout_respeculations = 0
         self.captures = 0
         self.force_opaque: frozenset[int] = frozenset()
         self.guard: Any = None

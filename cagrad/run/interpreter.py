@@ -9,7 +9,7 @@ node by its own ``apply``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ def resume(
     env: dict[str, Any],
     result: Any,
     accumulate_at_end: bool,
+    observe: Callable[[tuple, Any], None] | None = None,
 ) -> list:
     """Finishes a backward from ``point`` on real values.
 
@@ -95,11 +96,14 @@ def resume(
         point: the :class:`~cagrad.autograd.walk.ResumePoint` of the call that failed.
         env: the values computed so far, by graph value name.
         result: what that call really returned.
+        observe: called with ``((pos, phase), results)`` after each later
+            speculative call (:attr:`BackwardWalk.observe`).
 
     Returns:
         the ``autograd.grad`` results (None where no gradient arrived).
     """
     walk = BackwardWalk(task, plans, Interpreter(objects), accumulate_at_end)
+    walk.observe = observe
     value = env.__getitem__
     walk.buffers = {
         k: [None if n is None else value(n) for n in names] for k, names in point.buffers.items()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..autograd import run_context, saved_variables
-from ..autograd.accumulate import accumulate_all, stealable_outputs
+from ..autograd.accumulate import accumulate_all, dense_strides, stealable_outputs
 from ..autograd.walk import Kind
 from ..capture import segments
 from ..capture.compiler import NON_STRIDED, runtime_objects
@@ -92,23 +92,31 @@ def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list
     objects = runtime_objects(collected.collector, collected.task, traced.force_opaque)
     resumed: list[list] = []
 
-    def on_speculation_failed(step: Any, result: Any, env: dict) -> list:
+    def on_speculation_failed(failure: Any, env: dict) -> list:
+        step, result = failure.step, failure.result
         counters.bump("deopts")
         entry.deopts += 1
         point = step.resume
         pattern = _pattern(step, result)
-        entry.last_deopt = ((point.pos, point.phase), pattern)
         log.info(
-            "cagrad: %s returned %s where the graph assumed a strided gradient; "
-            "the interpreter finishes this backward",
+            "cagrad: %s returned %s; the interpreter finishes this backward",
             step.node.meta.get("autograd_node", step.node.name),
-            "a non-strided gradient" if NON_STRIDED in pattern else "None",
+            "a gradient in another layout than the graph assumed"
+            if failure.layout
+            else "a non-strided gradient where the graph assumed a strided one"
+            if NON_STRIDED in pattern
+            else "None where the graph assumed a gradient",
         )
+        # what the later speculative calls return, seen as the interpreter
+        # runs them: the next capture assumes all of it at once
+        seen: dict = {}
         resumed.append(
             interpreter.resume(
-                collected.task, traced.plans, objects, step.resume, env, result, False
+                collected.task, traced.plans, objects, step.resume, env, result, False,
+                lambda site, outs: _observe(seen, site, outs),
             )
         )
+        entry.last_deopt = ((point.pos, point.phase), pattern, failure.layout, seen)
         return []
 
     with run_context.grad_mode():
@@ -119,6 +127,7 @@ def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list
             sym_values,
             objects,
             on_speculation_failed,
+            entry.learn_layouts,
         )
     entry.calls += 1
     if resumed:
@@ -127,19 +136,45 @@ def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list
 
 
 def _pattern(step: Any, result: Any) -> tuple:
-    """What an opaque call really returned, for the next capture's profile:
-    per result, whether it was defined, or :data:`NON_STRIDED`
-    for a non-strided gradient the graph cannot use."""
+    """What an opaque call really returned, for the next capture's profile
+    (see :class:`~cagrad.autograd.walk.BackwardWalk`): per result, whether
+    it was defined, :data:`NON_STRIDED` for a non-strided gradient the graph
+    cannot use, or the dimension order of a dense gradient that is not
+    contiguous."""
     if isinstance(result, list):
         free = step.layout_free
         return tuple(_defined(v, i in free) for i, v in enumerate(result))
     return (_defined(result, step.layout_free),)
 
 
+def _observe(seen: dict, site: tuple, outs: Any) -> None:
+    """Records the pattern of a speculative call the interpreter ran, unless
+    a result is not strided (whether the graph may take it as it is is the
+    check's to say, :data:`NON_STRIDED`)."""
+    values = outs if isinstance(outs, (list, tuple)) else [outs]
+    if any(isinstance(v, torch.Tensor) and v.layout is not torch.strided for v in values):
+        return
+    seen[site] = tuple(_defined(v, True) for v in values)
+
+
 def _defined(value: Any, free: bool) -> Any:
-    if isinstance(value, torch.Tensor) and value.layout is not torch.strided and not free:
-        return NON_STRIDED
-    return value is not None
+    if not isinstance(value, torch.Tensor):
+        return value is not None
+    if value.layout is not torch.strided:
+        return True if free else NON_STRIDED
+    order = dimension_order(value)
+    if order == tuple(range(value.dim())) or not dense_strides(value.shape, value.stride()):
+        return True
+    return order
+
+
+def dimension_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from the outermost (largest stride) to the
+    innermost. A dimension of one element right inside another of the same
+    stride (dense strides in this order give it that stride, as ``t`` has);
+    other ties in index order."""
+    stride, shape = t.stride(), t.shape
+    return tuple(sorted(range(t.dim()), key=lambda d: (-stride[d], shape[d] == 1, d)))
 
 
 def release(collected: Any, lifted: bool = True) -> None:

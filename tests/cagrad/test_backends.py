@@ -172,20 +172,20 @@ def _expanded(device):
         # the backward of index_select on a one-element leaf, on CUDA
         (torch.ops.aten.index_add.default, (1, 1, 1), _expanded, "cuda", None, True),
         (torch.ops.aten.index_add.default, (1, 1, 1), _expanded, "cpu", None, False),  # CPU inductor is right
-        # a dense source, or a result of two elements, compiles right
-        (torch.ops.aten.index_add.default, (1, 1, 1), lambda d: torch.ones(1, 1, 3, device=d), "cuda", None, False),
-        (torch.ops.aten.index_add.default, (1, 1, 2), _expanded, "cuda", None, False),
-        # a source of one element is added once whatever the lanes
-        (torch.ops.aten.index_add.default, (1, 1, 1), lambda d: torch.ones((), device=d).expand(1, 1, 1), "cuda", None, False),
+        # a source inductor may compute in the kernel from a broadcast value
+        # (a traced hook's scale of the expanded gradient) looks dense here
+        (torch.ops.aten.index_add.default, (1, 1, 1), lambda d: torch.ones(1, 1, 3, device=d), "cuda", None, True),
+        (torch.ops.aten.index_add.default, (1, 1, 2), _expanded, "cuda", None, False),  # two elements: right
+        (torch.ops.aten.index_add_.default, (1, 1, 1), _expanded, "cuda", None, True),  # in place
         (torch.ops.aten.index_put.default, (1,), lambda d: torch.ones((), device=d).expand(3), "cuda", True, True),
         (torch.ops.aten.index_put.default, (1,), lambda d: torch.ones((), device=d).expand(3), "cuda", False, False),
     ],
 )
-def test_one_element_broadcast_scatter_names_an_expanded_add_into_one_cuda_element(
+def test_one_element_scatter_names_an_add_into_one_cuda_element(
     target, result_shape, source, device, accumulate, named
 ):
     gm = _scatter_graph(target, result_shape, source, device, accumulate)
-    found = backends._one_element_broadcast_scatter(gm)
+    found = backends._one_element_scatter(gm)
     assert (found is not None) is named, found
     if named:
         with pytest.raises(cagrad.Unsupported) as err:
@@ -194,11 +194,17 @@ def test_one_element_broadcast_scatter_names_an_expanded_add_into_one_cuda_eleme
         backends.check_graph("aot_eager", gm)  # the eager kernels add once per element
 
 
-def _index_select_grad(backend, device):
-    """The program of the campaign's failure (seed 41, H100): index_select
-    of a 1x1x1 leaf with index [0, 0, 0], summed; d(loss)/dx = 3."""
+def _index_select_grad(backend, device, scale_hook=False):
+    """The programs of the campaign's failures (seed 41, H100): index_select
+    of a 1x1x1 leaf with index [0, 0, 0], summed (d(loss)/dx = 3); with
+    ``scale_hook``, transposed and with a traceable hook that doubles the
+    gradient of the index_select (6)."""
     x = torch.rand(1, 1, 1, device=device, requires_grad=True)
-    loss = torch.index_select(x, 2, torch.tensor([0, 0, 0], device=device)).sum()
+    y = torch.index_select(x, 2, torch.tensor([0, 0, 0], device=device))
+    if scale_hook:
+        y.register_hook(lambda g: g * 2)
+        y = y.transpose(2, 0)
+    loss = y.sum()
     if backend is None:
         loss.backward()
     else:
@@ -210,13 +216,15 @@ def _index_select_grad(backend, device):
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 )
-def test_index_select_of_one_element_gets_eagers_gradient_under_inductor(device):
+@pytest.mark.parametrize("scale_hook", [False, True])
+def test_index_select_of_one_element_gets_eagers_gradient_under_inductor(device, scale_hook):
     """On CUDA the graph falls back with its reason (inductor's kernel gives
-    4.0); on CPU inductor compiles it. Both give eager's 3.0."""
+    4.0 for 3.0); on CPU inductor compiles it. Both give eager's value."""
     cagrad.reset()
-    assert _index_select_grad(None, device).item() == 3.0
-    got = _index_select_grad("inductor", device)
-    assert got.item() == 3.0
+    want = 6.0 if scale_hook else 3.0
+    assert _index_select_grad(None, device, scale_hook).item() == want
+    got = _index_select_grad("inductor", device, scale_hook)
+    assert got.item() == want
     if device == "cuda":
         assert dict(cagrad.counters["fallback_reasons"]) == {"one_element_scatter_add:inductor": 1}
     else:

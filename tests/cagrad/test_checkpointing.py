@@ -67,10 +67,16 @@ def _grads(module: nn.Module, *tensors: torch.Tensor) -> list:
     return [p.grad for p in module.parameters()] + [t.grad for t in tensors]
 
 
-def _compiled_twice() -> None:
+def _compiled(backwards: int) -> None:
+    """Every backward ran compiled. A node behind checkpoint's saved-tensor
+    hooks runs as it is; AddmmBackward0 returns mat2's gradient in mat2's
+    column-major layout (eager's ``mm_mat2_backward``): the first backward
+    hands it on as eager does and the next capture assumes that layout
+    (tests/cagrad/test_opaque_layouts.py); the backwards after it hit."""
     c = cagrad.counters
     assert c["fallbacks"] == 0, dict(c["fallback_reasons"])
-    assert (c["captures"], c["cache_hits"]) == (1, 1)
+    assert c["deopts"] <= 1 and c["captures"] == 1 + c["deopts"]
+    assert c["captures"] + c["cache_hits"] == backwards and c["cache_hits"] >= 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -79,7 +85,7 @@ def test_selective_checkpoint(policy, backend):
     def build():
         lins = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
         x = torch.randn(2, 4)
-        for _ in range(2):
+        for _ in range(3):
             out = checkpoint(lins, x, use_reentrant=False, context_fn=_context_fn(policy))
             out.sum().backward()
         return _grads(lins)
@@ -87,7 +93,7 @@ def test_selective_checkpoint(policy, backend):
     expected, actual = run_both(build, backend)
     for e, a in zip(expected, actual):
         same(e, a)
-    _compiled_twice()
+    _compiled(3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,7 +102,7 @@ def test_selective_checkpoint_autograd_grad(backend):
         block = Block()
         x = torch.randn(3, 4, requires_grad=True)
         out = []
-        for _ in range(2):
+        for _ in range(3):
             y = checkpoint(block, x, use_reentrant=False, context_fn=_context_fn("recompute_addmm"))
             out += torch.autograd.grad((y * x.sin()).sum(), [x, block.l1.weight])
         return out
@@ -104,7 +110,7 @@ def test_selective_checkpoint_autograd_grad(backend):
     expected, actual = run_both(build, backend)
     for e, a in zip(expected, actual):
         same(e, a)
-    _compiled_twice()
+    _compiled(3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,8 +150,7 @@ def test_checkpoint_retain_graph_backward_twice(backend):
     expected, actual = run_both(build, backend)
     for e, a in zip(expected, actual):
         same(e, a)
-    c = cagrad.counters
-    assert c["fallbacks"] == 0 and c["captures"] == 1 and c["cache_hits"] == 3
+    _compiled(4)
 
 
 @pytest.mark.parametrize("retain_graph", [False, True])
@@ -176,7 +181,7 @@ def test_selective_checkpoint_around_a_compiled_module(backend):
         lins = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
         compiled = torch.compile(lins, backend="aot_eager")
         x = torch.randn(2, 4, requires_grad=True)
-        for _ in range(2):
+        for _ in range(3):
             out = checkpoint(compiled, x, use_reentrant=False, context_fn=_context_fn("save_addmm"))
             out.sum().backward()
         return _grads(lins, x)
@@ -184,7 +189,7 @@ def test_selective_checkpoint_around_a_compiled_module(backend):
     expected, actual = run_both(build, backend)
     for e, a in zip(expected, actual):
         same(e, a)
-    _compiled_twice()
+    _compiled(3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -199,11 +204,11 @@ def test_selective_checkpoint_inside_a_compiled_function(backend):
             backend="aot_eager",
         )
         x = torch.randn(2, 4, requires_grad=True)
-        for _ in range(2):
+        for _ in range(3):
             fn(x).sum().backward()
         return _grads(lins, x)
 
     expected, actual = run_both(build, backend)
     for e, a in zip(expected, actual):
         same(e, a)
-    _compiled_twice()
+    _compiled(3)

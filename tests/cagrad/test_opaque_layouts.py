@@ -1,0 +1,138 @@
+"""An opaque call's gradient in another layout than the trace assumed.
+
+The trace assumes an opaque node returns its gradients contiguous. Eager
+hands on whatever layout the node returns: ``CopySlices`` (an in-place op on
+a view) returns its base's strides, a custom Function what its backward
+computed. cagrad copied such a gradient into the assumed strides, so hooks
+and later nodes saw another layout than eager's (found by an H100 campaign
+with ``CAGRAD_FUZZ_STRIDES=1``, seed 41). Now the first run with such a
+result hands it on as it is (the interpreter finishes the backward, as
+eager would), and the next capture assumes the dimension order it saw
+(``cagrad.run.runtime._pattern``, ``cagrad.autograd.walk.Layout``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cagrad
+from cagrad import compiled_backward
+from cagrad.capture.compiler import strides_in_order
+from cagrad.run.runtime import dimension_order
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides of the dimensions with more than one element (the others
+    address no other place)."""
+    return tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)
+
+
+def _copy_slices_run(n: int):
+    """A tensor hook on a leaf whose gradient passes through CopySlices
+    (an in-place ``mul_`` on a slice of ``x.transpose(0, 2) * 1``): the
+    strides the hook saw, and the leaf's gradient."""
+    torch.manual_seed(n)
+    x = torch.rand(5, n, 1, requires_grad=True)
+    y = x.transpose(0, 2) * 1
+    y[0:1].mul_(torch.rand(()))
+    seen = []
+    x.register_hook(lambda g: seen.append(g.stride()))
+    y.sum().backward()
+    return seen[0], x.grad
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_hook_after_copy_slices_sees_eagers_strides_at_every_size(backend):
+    sizes = (4, 4, 8, 8, 6, 4)
+    expected = [_copy_slices_run(n) for n in sizes]
+    cagrad.reset()
+    with cagrad.enable(backend):
+        got = [_copy_slices_run(n) for n in sizes]
+    for (e_strides, e_grad), (g_strides, g_grad) in zip(expected, got):
+        assert g_strides == e_strides  # every dimension, the ones of one element too
+        torch.testing.assert_close(g_grad, e_grad, rtol=0, atol=0)
+    counters = cagrad.counters
+    # the first backward hands CopySlices' result on as eager does; the
+    # captures after it assume its layout (a static one, then a dynamic one)
+    assert counters["deopts"] == 1 and counters["fallbacks"] == 0
+    assert counters["captures"] == 3 and counters["cache_hits"] == len(sizes) - 3
+
+
+class _TransposedGrad(torch.autograd.Function):
+    """Returns its gradient as ``g.t().contiguous().t()`` (or contiguous,
+    when ``flip`` says so for this backward): the values eager's
+    ``x * 1`` gives, in a layout of the Function's choice."""
+
+    flip: list[bool] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        if _TransposedGrad.flip and _TransposedGrad.flip.pop(0):
+            return g.contiguous()
+        return g.t().contiguous().t()
+
+
+def _function_run():
+    torch.manual_seed(0)
+    x = torch.rand(4, 6, requires_grad=True)
+    y = _TransposedGrad.apply(x)
+    seen = []
+    y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_inputs[0].stride()))
+    (y * y).sum().backward()
+    return seen[0], x.grad
+
+
+def test_a_post_hook_of_a_custom_function_sees_the_layout_its_backward_returned():
+    expected = _function_run()
+    assert expected[0] == (1, 4)
+    cagrad.reset()
+    with cagrad.enable("aot_eager"):
+        got = [_function_run() for _ in range(4)]
+    for strides, grad in got:
+        assert strides == expected[0]
+        torch.testing.assert_close(grad, expected[1], rtol=0, atol=0)
+    assert cagrad.counters["deopts"] == 1 and cagrad.counters["cache_hits"] == 2
+
+
+def test_a_layout_that_keeps_changing_is_learnt_a_bounded_number_of_times():
+    """A backward whose layout flips every time: cagrad recaptures for it
+    MAX_LAYOUT_RESPECULATIONS times, then copies into the layout it assumes
+    (the values stay eager's; no fallback)."""
+    bound = compiled_backward.MAX_LAYOUT_RESPECULATIONS
+    runs = 2 * bound + 4
+    cagrad.reset()
+    _TransposedGrad.flip = [i % 2 == 1 for i in range(runs)]
+    try:
+        with cagrad.enable("aot_eager"):
+            got = [_function_run() for _ in range(runs)]
+    finally:
+        _TransposedGrad.flip = []
+    expected_grad = _function_run()[1]
+    for _, grad in got:
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+    assert cagrad.counters["deopts"] == bound and cagrad.counters["fallbacks"] == 0
+    assert cagrad.counters["cache_hits"] == runs - bound - 1
+
+
+@st.composite
+def _dense_layouts(draw):
+    """A tensor with a random shape (sizes 1 to 3, dimensions of one element
+    included) permuted from contiguous: a dense layout in any order."""
+    shape = draw(st.lists(st.integers(1, 3), min_size=0, max_size=5))
+    perm = draw(st.permutations(range(len(shape))))
+    return torch.empty(shape).permute(*perm) if shape else torch.empty(())
+
+
+@given(_dense_layouts())
+def test_dense_strides_in_the_learnt_order_are_the_tensors_own(t):
+    """What the next capture assumes (:func:`strides_in_order` of the order
+    :func:`dimension_order` saw) is the layout that was seen, for dimensions
+    of one element too; so a learnt layout is never copied again."""
+    assert strides_in_order(t.shape, dimension_order(t)) == t.stride()
