@@ -7,11 +7,16 @@ tensor ops between them become *segments*, each its own GraphModule (same
 backward's objects, in the graph's order, which is eager's.
 
 After an opaque call the result is checked against what the trace assumed
-(:mod:`cagrad.autograd.walk`): a gradient with other strides is copied into the
-assumed layout (values unchanged); a None where the trace assumed a gradient
+(:mod:`cagrad.autograd.walk`). A None where the trace assumed a gradient
 cannot be run by the compiled segments, so the interpreter finishes the
 backward from that call's :class:`~cagrad.autograd.walk.ResumePoint` with the values
-computed so far. The result is eager's either way.
+computed so far. So does a dense gradient in another dimension order than
+assumed (``CopySlices`` returns its base's strides, a custom Function what
+its backward computed): the interpreter hands it on as eager does, and the
+next capture assumes that layout (see :func:`_conform`); a layout with gaps
+or overlaps, a call without a resume point (a tensor hook), or a graph that
+keeps changing layouts gets a copy in the assumed strides instead (values
+unchanged). The values are eager's either way.
 
 A gradient that is not strided (sparse COO: a custom Function's backward or
 a node run as it is, such as ``EmbeddingBackward0`` with ``sparse=True``,
