@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclasses.dataclass
@@ -71,6 +72,38 @@ def cnn(device: str) -> Workload:
     return _module_workload(model.to(device), torch.randn(16, 3, 32, 32, device=device))
 
 
+def _recompute_addmm(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op == torch.ops.aten.addmm.default:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+class _Checkpointed(nn.Module):
+    """Blocks, each under non-reentrant selective activation checkpointing
+    that recomputes ``aten.addmm`` (``torch.utils.checkpoint``): the
+    backward's AddmmBackward0 nodes read their saved tensors through
+    checkpoint's hooks, so a compiled autograd runs them as they are."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(
+                block, x, use_reentrant=False,
+                context_fn=lambda: create_selective_checkpoint_contexts(_recompute_addmm),
+            )  # fmt: skip
+        return x
+
+
+def checkpointed_mlp(device: str) -> Workload:
+    """The MLP's four Linear + ReLU blocks, each checkpointed (:class:`_Checkpointed`)."""
+    width, batch = (1024, 256) if device == "cuda" else (256, 64)
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)]
+    return _module_workload(_Checkpointed(blocks).to(device), torch.randn(batch, width, device=device))
+
+
 class _Chain(nn.Module):
     def __init__(self, width: int, n: int, device: str) -> None:
         super().__init__()
@@ -107,5 +140,8 @@ SERIES: dict[str, Callable[[str], Workload]] = {
 }
 STEADY = list(WORKLOADS)  # the steady-state table's default rows
 WORKLOADS.update(SERIES)
+# more rows on request (--workloads): a stack with nodes a compiled autograd
+# runs as they are (segmented backwards)
+WORKLOADS["checkpointed_mlp"] = checkpointed_mlp
 FAMILIES = {"transformer": ["transformer", "transformer2", "transformer4", "transformer8"],
             "chain": ["chain50", "chain100", "chain200", "chain400"]}
