@@ -78,6 +78,9 @@ class Segment:
     restride: list[tuple[int, tuple[int, ...] | None, tuple[Callable[..., int], ...]]] = dataclasses.field(
         default_factory=list
     )
+    # the run's values no later step reads, dropped after this one (eager
+    # frees a gradient once the node that reads it has run)
+    release: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -98,6 +101,8 @@ class OpaqueStep:
     restride: list[tuple[str, tuple[int, ...] | None, tuple[Callable[..., int], ...]]] = dataclasses.field(
         default_factory=list
     )
+    # as Segment.release
+    release: list[str] = dataclasses.field(default_factory=list)
 
 
 class SpeculationFailed(Exception):
@@ -269,19 +274,25 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
 
     steps: list[Segment | OpaqueStep] = []
     computed: set[str] = set()  # values computed by the segments so far
+    held = set(input_reads) | set(object_reads)  # the run's values (see run)
     for group, needed in zip(groups, needed_after):
         if isinstance(group, OpaqueStep):
             read = list(dict.fromkeys(a.name for a in group.node.all_input_nodes))
             vals = {a.name: a.meta.get("val") for a in group.node.all_input_nodes}
             plan = _restride_plan(read, vals, computed, to_value)
             group.restride = [(read[k], static, fns) for k, static, fns in plan]
-            steps.append(group)
+            held.add(group.node.name)
+            held.update(name for _, name in group.items)
+            step: Segment | OpaqueStep = group
         else:
-            seg = _segment(gm, group, needed, size_reads)
+            step = _segment(gm, group, needed, size_reads)
             vals = {a.name: a.meta.get("val") for node in group for a in node.all_input_nodes}
-            seg.restride = _restride_plan(seg.in_names, vals, computed, to_value)
-            computed.update(seg.out_names)
-            steps.append(seg)
+            step.restride = _restride_plan(step.in_names, vals, computed, to_value)
+            computed.update(step.out_names)
+            held.update(step.out_names)
+        step.release = sorted(held - needed)
+        held &= needed
+        steps.append(step)
     return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
 
 
@@ -539,6 +550,8 @@ def run(
                 outs = step.fn([env[n] for n in step.in_names], sizes, [], [], [])
             step.calls += 1
             env.update(zip(step.out_names, outs))
+            del args, outs
+            _release(env, step.release)
             continue
         for name, static, fns in step.restride:
             # in the values themselves: every later reader, and a hook that
@@ -553,4 +566,11 @@ def run(
         env[step.node.name] = result
         for index, name in step.items:
             env[name] = result[index]
+        del args, result
+        _release(env, step.release)
     return [None if n is None else env[n] for n in sg.output]
+
+
+def _release(env: dict[str, Any], names: Sequence[str]) -> None:
+    for name in names:
+        env.pop(name, None)

@@ -195,3 +195,37 @@ def test_a_copied_gradient_keeps_eagers_strides_for_odd_leaf_layouts():
         assert leaf.grad is not grad
         assert leaf.grad.stride() == ref.grad.stride(), shape
         assert torch.equal(leaf.grad, ref.grad)
+
+
+def _intermediate_gradient_alive_at_the_leaf(compiled: str | None) -> list[bool]:
+    """Per backward: whether the gradient an observing hook saw on ``h`` is
+    still alive when the leaf's hook runs. ``h``'s gradient is read by
+    ``h``'s node only; after it ran, eager holds it no more. The hooks
+    cut a compiled backward into segments and opaque calls (the run's
+    values by name, cagrad.capture.segments.run)."""
+    alive = []
+
+    def one():
+        x = torch.randn(64, 64, requires_grad=True)
+        h = x.exp()
+        refs = []
+        h.register_hook(lambda g: refs.append(StorageWeakRef(g.untyped_storage())) or None)
+        x.register_hook(lambda g: alive.append(not refs[0].expired()) or None)
+        (h.sin() * 2).sum().backward()
+
+    if compiled is None:
+        for _ in range(3):
+            one()
+    else:
+        with cagrad.enable(compiled):
+            for _ in range(3):
+                one()
+    return alive
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_segmented_backward_drops_a_gradient_after_its_last_reader(backend):
+    cagrad.reset()
+    assert _intermediate_gradient_alive_at_the_leaf(None) == [False] * 3
+    assert _intermediate_gradient_alive_at_the_leaf(backend) == [False] * 3
+    assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2
