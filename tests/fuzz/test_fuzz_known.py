@@ -152,6 +152,11 @@ TORCH_CA_213 = {
             "tensors: call_function <built-in function mul>(*(None, FakeTensor(..., size=(1, 5, 3, 2))), **{}): "
             "got TypeError(\"unsupported operand type(s) for *: 'NoneType' and 'FakeTensor'\")\n  Hint: Your code "
             "may result in an error when running in eager.\n\nfrom user code:\n   File \"<eval_with_key>.432\"")}}),
+    # torch 2.11 (H100, seed 47) and 2.13 (CPU, its reproducer)
+    "torch-ca-post-hook-drop-function-arithmetic": ("error", "TypeError", {
+        "status": "error", "mismatches": [], "eager_error": None,
+        "error": {"type": "TypeError", "traceback": "...",
+                  "message": "unsupported operand type(s) for *: 'int' and 'NoneType'"}}),
     "torch-ca-dynamic-split-validate-outputs": ("error", "torch._dynamo.exc.TorchRuntimeError", {
         "status": "error", "mismatches": [], "eager_error": None,
         "error": {"type": "torch._dynamo.exc.TorchRuntimeError", "traceback": "...", "message": (
