@@ -259,10 +259,19 @@ def contiguous_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(reversed(strides))
 
 
+def dimension_order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from the outermost (largest stride) to the
+    innermost. A dimension of one element right inside another of the same
+    stride (dense strides in this order give it that stride, as ``t`` has);
+    other ties in index order."""
+    stride, shape = t.stride(), t.shape
+    return tuple(sorted(range(t.dim()), key=lambda d: (-stride[d], shape[d] == 1, d)))
+
+
 def strides_in_order(shape: Sequence[Any], order: Sequence[int]) -> tuple[Any, ...]:
     """The strides of a dense tensor of ``shape`` whose dimensions, from the
-    outermost, are ``order`` (a permutation; the identity gives
-    :func:`contiguous_strides`)."""
+    outermost, are ``order`` (a permutation, :func:`dimension_order`; the
+    identity gives :func:`contiguous_strides`)."""
     strides: list[Any] = [None] * len(shape)
     acc: Any = 1
     for d in reversed(order):

@@ -337,15 +337,21 @@ def _restrided(value: Any, strides: Sequence[int]) -> Any:
     one element and ``strides`` give each element a place of its own, else
     itself (an expanded layout, stride 0, cannot be written into: the
     backend's own check, if any, then decides)."""
-    have = value.stride()
     shape = value.shape
-    if all(n <= 1 or a == b for n, a, b in zip(shape, have, strides)):
+    if _same_places(shape, value.stride(), strides):
         return value
     if not _distinct_places(shape, strides):
         return value
     out = torch.empty_strided(shape, tuple(strides), dtype=value.dtype, device=value.device)
     out.copy_(value)
     return out
+
+
+def _same_places(shape: Sequence[int], have: Sequence[int], want: Sequence[int]) -> bool:
+    """Whether strides ``have`` and ``want`` address the same places for a
+    ``shape`` tensor: they differ at most in dimensions of one element (or
+    none)."""
+    return all(n <= 1 or a == b for n, a, b in zip(shape, have, want))
 
 
 def _distinct_places(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -463,13 +469,12 @@ def _conform(value: Any, spec: Any, free: bool, learn: bool) -> Any:
     actual = value.stride()
     if tuple(actual) == stride:
         return value
-    if 0 in shape or all(a == s or n == 1 for a, s, n in zip(actual, stride, shape)):
+    if 0 in shape or _same_places(shape, actual, stride):
         return value.as_strided(shape, stride, value.storage_offset())
     if learn and dense_strides(shape, actual):
         return _OTHER_LAYOUT
-    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    out.copy_(value)
-    return out
+    # the assumed strides are dense (cagrad.capture.compiler._spec_of)
+    return _restrided(value, stride)
 
 
 def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int], learn: bool) -> Any:

@@ -25,7 +25,7 @@ from ..autograd import run_context, saved_variables
 from ..autograd.accumulate import accumulate_all, dense_strides, stealable_outputs
 from ..autograd.walk import Kind
 from ..capture import segments
-from ..capture.compiler import NON_STRIDED, runtime_objects
+from ..capture.compiler import NON_STRIDED, dimension_order, runtime_objects
 from ..compile.cuda_graphs import BorrowedOutputs
 from ..counters import counters
 from . import interpreter
@@ -166,15 +166,6 @@ def _defined(value: Any, free: bool) -> Any:
     if order == tuple(range(value.dim())) or not dense_strides(value.shape, value.stride()):
         return True
     return order
-
-
-def dimension_order(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s dimensions from the outermost (largest stride) to the
-    innermost. A dimension of one element right inside another of the same
-    stride (dense strides in this order give it that stride, as ``t`` has);
-    other ties in index order."""
-    stride, shape = t.stride(), t.shape
-    return tuple(sorted(range(t.dim()), key=lambda d: (-stride[d], shape[d] == 1, d)))
 
 
 def release(collected: Any, lifted: bool = True) -> None:

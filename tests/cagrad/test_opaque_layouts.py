@@ -20,8 +20,7 @@ from hypothesis import strategies as st
 
 import cagrad
 from cagrad import compiled_backward
-from cagrad.capture.compiler import strides_in_order
-from cagrad.run.runtime import dimension_order
+from cagrad.capture.compiler import dimension_order, strides_in_order
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
