@@ -337,10 +337,11 @@ def run(
             if collected.collector.needs_host:
                 # hooks added from C++ may queue callbacks from C++
                 result = host.run_hosted(
-                    lambda: runtime.run_segmented(entry, collected, graph_sizes, sym_values), eager_engine
+                    lambda: runtime.run_segmented(entry, collected, graph_sizes, sym_values, not call.keep_graph),
+                    eager_engine,
                 )
             else:
-                result = runtime.run_segmented(entry, collected, graph_sizes, sym_values)
+                result = runtime.run_segmented(entry, collected, graph_sizes, sym_values, not call.keep_graph)
         if entry.deopts != deopts:
             _respeculate(node, entry)
     if not call.keep_graph:

@@ -172,12 +172,14 @@ class Executor(Protocol):
         """An AOTAutograd backward, PyNode semantics and validation included."""
         ...
 
-    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any) -> Any:
+    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
         """Runs or records ``runtime_ops.<op>(*args)``.
 
         ``result`` describes what the trace assumes it returns (None, a value
         like the given one, or a list of such); ``resume`` is a callable
-        returning the :class:`ResumePoint` for speculative calls, else None.
+        returning the :class:`ResumePoint` for speculative calls, else None;
+        ``pos`` is the position in ``GraphTask.order`` of the node whose
+        call or hook it is.
         """
         ...
 
@@ -259,11 +261,11 @@ class BackwardWalk:
                 inputs = [None] * len(call.input_metadata)
             if self.has_exec_info:
                 if not call.needed:
-                    inputs = self._tensor_hooks(hooks, inputs, name)
+                    inputs = self._tensor_hooks(hooks, inputs, name, pos)
                     self._capture(call, inputs)
                     return
                 self._capture(call, inputs)
-            inputs = self._tensor_hooks(hooks, inputs, name)
+            inputs = self._tensor_hooks(hooks, inputs, name, pos)
             if hooks is not None and hooks.pre is not None:
                 inputs = self.ex.opaque(
                     "node_pre_hooks",
@@ -271,6 +273,7 @@ class BackwardWalk:
                     self._assume(pos, Phase.PRE_HOOKS, list(inputs)),
                     name,
                     lambda: self._snapshot(pos, Phase.PRE_HOOKS, inputs_=None),
+                    pos,
                 )
                 self._observe(pos, Phase.PRE_HOOKS, inputs)
             phase, state = Phase.PRE_HOOKS, inputs
@@ -283,7 +286,7 @@ class BackwardWalk:
             if hooks is not None and hooks.cpp_post is not None:
                 # added from C++ before any Python post-hook (DDP's reducer,
                 # at construction); they return what they are given
-                self.ex.opaque("cpp_post_hooks", (Obj(hooks.cpp_post),), None, name, None)
+                self.ex.opaque("cpp_post_hooks", (Obj(hooks.cpp_post),), None, name, None, pos)
             if hooks is not None and hooks.post is not None:
                 # only a post-hook sees gradients on edges that are not used
                 outs = self._as_eager_computes(call, plan, outs)
@@ -293,6 +296,7 @@ class BackwardWalk:
                     self._assume(pos, Phase.POST_HOOKS, self._handed_on(call, outs)),
                     name,
                     lambda: self._snapshot(pos, Phase.POST_HOOKS, inputs_=None),
+                    pos,
                 )
                 self._observe(pos, Phase.POST_HOOKS, outs)
             phase, state = Phase.POST_HOOKS, outs
@@ -316,6 +320,7 @@ class BackwardWalk:
                     None,
                     name,
                     None,
+                    pos,
                 )
             return []
         if kind is Kind.TRACED:
@@ -338,7 +343,7 @@ class BackwardWalk:
         op = "call_node" if kind is Kind.OPAQUE else "call_custom_function"
         args = (Obj(plan.node), inputs)
         outs = self.ex.opaque(
-            op, args, expected, name, lambda: self._snapshot(pos, Phase.APPLY, inputs_=inputs)
+            op, args, expected, name, lambda: self._snapshot(pos, Phase.APPLY, inputs_=inputs), pos
         )
         self._observe(pos, Phase.APPLY, outs)
         return outs
@@ -392,17 +397,17 @@ class BackwardWalk:
         executes = self.task.executes
         return [o if executes(fn) else None for (fn, _), o in zip(call.edges, outs)]
 
-    def _tensor_hooks(self, hooks: NodeHooks | None, inputs: list, name: str) -> list:
+    def _tensor_hooks(self, hooks: NodeHooks | None, inputs: list, name: str, pos: int) -> list:
         if hooks is None:
             return inputs
         inputs = list(inputs)
         for input_nr, obj in hooks.tensor_pre:
             grad = inputs[input_nr]
             inputs[input_nr] = self.ex.opaque(
-                "tensor_pre_hooks", (Obj(obj), grad), grad, name, None
+                "tensor_pre_hooks", (Obj(obj), grad), grad, name, None, pos
             )
         for input_nr, obj in hooks.retain_grad:
-            self.ex.opaque("retain_grad", (Obj(obj), inputs[input_nr]), None, name, None)
+            self.ex.opaque("retain_grad", (Obj(obj), inputs[input_nr]), None, name, None, pos)
         return inputs
 
     def _capture(self, call: NodeCall, inputs: list) -> None:

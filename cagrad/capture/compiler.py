@@ -527,6 +527,7 @@ class AutogradCompilerInstance:
                 grad,
                 f"{origin} hook {name}",
                 None,
+                pos,
             )
 
         def backward(args: list) -> Any:
@@ -562,7 +563,7 @@ class AutogradCompilerInstance:
             return [self._arg(x) for x in a]
         return a
 
-    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any) -> Any:
+    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
         if op == "tensor_pre_hooks" and args[0].index in self.collector.traced_hooks:
             traced = self._trace_tensor_hooks(args[0].index, args[1], origin)
             if traced is not None:
@@ -571,6 +572,9 @@ class AutogradCompilerInstance:
         proxy = self.tracer.create_proxy("call_function", target, tuple(self._arg(a) for a in args), {})
         node = proxy.node
         node.meta["autograd_node"] = origin
+        # whose call or hook it is (a segmented run releases the saved
+        # tensors of every earlier node before it: cagrad.run.runtime)
+        node.meta["cagrad_pos"] = pos
         if result is None:
             return None
         if isinstance(result, list):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import native
 from ..autograd import custom_function, run_context
 from ..autograd.accumulate import accumulate_grad
 from ..autograd.validate import validate_outputs
@@ -148,22 +149,38 @@ def post_accumulate_grad_hooks(hooks: Mapping[Any, Callable], variable: torch.Te
             raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
-def accumulate(variable: torch.Tensor, grad: Grad, post_hooks: Mapping | None) -> None:
+def accumulate(variable: torch.Tensor, grad: Grad, post_hooks: Mapping | None, stealable: bool = False) -> None:
     """``AccumulateGrad::apply``: into ``.grad``, then post-accumulate hooks.
 
     As in eager, the hooks run even when nothing is accumulated (no gradient
     arrived, or the leaf no longer requires grad); only the error for a leaf
     moved into the graph interior, raised for a defined gradient, stops them.
-    The gradient is always copied into a fresh ``.grad`` (never adopted):
-    inside a graph with opaque calls cagrad cannot prove nothing else holds it.
+    The gradient is copied into a fresh ``.grad`` unless ``stealable``
+    (:func:`accumulate_handed` proved that nothing else holds it).
     """
     if grad is not None:
         if variable.grad_fn is not None:
             raise RuntimeError("leaf variable has been moved into the graph interior")
         if variable.requires_grad:
-            accumulate_grad(variable, grad, stealable=False)
+            accumulate_grad(variable, grad, stealable=stealable)
     if post_hooks:
         post_accumulate_grad_hooks(post_hooks, variable)
+
+
+def accumulate_handed(args: list) -> None:
+    """:func:`accumulate` on ``args`` (``[variable, grad, post_hooks]``),
+    which the caller hands over with the last reference it held to the
+    gradient: the list is emptied. As eager's AccumulateGrad adopts a
+    gradient that no one else holds (its ``use_count``), the gradient then
+    becomes ``.grad`` without a copy where the C++ extension finds that
+    nothing else holds it (:func:`cagrad.native.sole_fn`: a hook that kept
+    it, a view or a second output over its memory make it a copy)."""
+    variable, post_hooks = args[0], args[2]
+    box = [args[1]]
+    args.clear()
+    sole = native.sole_fn()
+    stealable = sole is not None and sole(box)
+    accumulate(variable, box.pop(), post_hooks, stealable)
 
 
 def cpp_post_hooks(hooks: Sequence[Callable[[], Any]]) -> None:

@@ -81,6 +81,10 @@ class Segment:
     # the run's values no later step reads, dropped after this one (eager
     # frees a gradient once the node that reads it has run)
     release: list[str] = dataclasses.field(default_factory=list)
+    # those of them it reads: once compiled, they are dropped before the
+    # call, so that the boxed call (cagrad.compile.boxed) holds the last
+    # reference and frees each after its last use inside the segment
+    drop_before: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -103,6 +107,16 @@ class OpaqueStep:
     )
     # as Segment.release
     release: list[str] = dataclasses.field(default_factory=list)
+    # the position in the backward's run order of the node whose call or
+    # hook this is (every node before it has run: cagrad.run.runtime
+    # releases their saved tensors here)
+    pos: int | None = None
+    # the values of release it reads, less its own resume point's: dropped
+    # before the call, which then holds the run's last reference to them
+    drop_before: list[str] = dataclasses.field(default_factory=list)
+    # an accumulation handed the run's last reference to its gradient
+    # (runtime_ops.accumulate_handed: .grad may adopt it, as in eager)
+    hands_grad: bool = False
 
 
 class SpeculationFailed(Exception):
@@ -243,6 +257,7 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
                     _spec_functions(spec, to_value),
                     node.meta.get("cagrad_resume"),
                     free,
+                    pos=node.meta.get("cagrad_pos"),
                 )
             )
             continue
@@ -291,9 +306,38 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
             computed.update(step.out_names)
             held.update(step.out_names)
         step.release = sorted(held - needed)
+        if isinstance(step, Segment):
+            step.drop_before = sorted(set(step.release) & set(step.in_names))
+        else:
+            _plan_hand_over(step)
         held &= needed
         steps.append(step)
     return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
+
+
+def _plan_hand_over(step: OpaqueStep) -> None:
+    """Sets ``step.drop_before`` and ``step.hands_grad`` from its release list."""
+    reads = [a.name for a in step.node.all_input_nodes]
+    own_resume: set[str] = set()
+    r = step.resume
+    if r is not None:
+        for names in [*r.buffers.values(), r.captured, r.inputs]:
+            own_resume.update(n for n in names if n is not None)
+    step.drop_before = sorted((set(step.release) & set(reads)) - own_resume)
+    if step.node.target is runtime_ops.accumulate and len(step.args) == 3:
+        grad = step.args[1]
+        others = set()
+        _used_refs(step.args[0], others)
+        _used_refs(step.args[2], others)
+        step.hands_grad = isinstance(grad, _Ref) and grad in step.drop_before and grad not in others
+
+
+def _used_refs(arg: Any, out: set[str]) -> None:
+    if isinstance(arg, _Ref):
+        out.add(str(arg))
+    elif isinstance(arg, (list, tuple)):
+        for a in arg:
+            _used_refs(a, out)
 
 
 def _restride_plan(
@@ -519,6 +563,8 @@ def run(
     objects: Sequence[Any],
     on_speculation_failed: Callable[[SpeculationFailed, dict[str, Any]], list],
     learn_layouts: bool = True,
+    hand_over: bool = False,
+    before_opaque: Callable[[OpaqueStep], None] | None = None,
 ) -> list:
     """Runs the steps; returns the graph's outputs.
 
@@ -530,15 +576,25 @@ def run(
     when a check fails and returns the outputs in place of the graph's.
     ``learn_layouts``: a dense result in another dimension order than the
     trace assumed fails the check (see :func:`_conform`).
+    ``hand_over``: ``inputs`` is a list the caller needs no more; it is
+    emptied, so that the run holds the only references to the inputs it
+    has not released yet (each is dropped after its last reader).
+    ``before_opaque(step)`` is called before each opaque call.
     """
     env: dict[str, Any] = {}
     for name, i in sg.input_reads.items():
         env[name] = inputs[i]
     for name, i in sg.object_reads.items():
         env[name] = objects[i]
+    if hand_over:
+        inputs.clear()  # type: ignore[attr-defined]
     for step in sg.steps:
         if isinstance(step, Segment):
             args = [env[n] for n in step.in_names]
+            if step.calls:
+                # compiled (a first call may still fall back to the segment's
+                # own graph, which reads them again): the call holds them now
+                _release(env, step.drop_before)
             for i, static, fns in step.restride:
                 args[i] = _as_traced(args[i], static, fns, sym_values)
             try:
@@ -558,12 +614,18 @@ def run(
             del args, outs
             _release(env, step.release)
             continue
+        if before_opaque is not None:
+            before_opaque(step)
         for name, static, fns in step.restride:
             # in the values themselves: every later reader, and a hook that
             # changes the gradient in place, see one tensor (as in eager)
             env[name] = _as_traced(env[name], static, fns, sym_values)
         args = _materialize(step.args, env)
-        result = step.node.target(*args)
+        _release(env, step.drop_before)
+        if step.hands_grad:
+            result = runtime_ops.accumulate_handed(args)
+        else:
+            result = step.node.target(*args)
         try:
             result = _check(step, result, sym_values, learn_layouts)
         except SpeculationFailed as e:

@@ -22,6 +22,8 @@ on first need) provides:
   moved to new memory (:func:`reclaim_fn`); ``device_frees(device)``: how
   often the CUDA caching allocator has given memory back to the driver
   (:func:`device_frees_fn`, for a CUDA graph's early replay);
+* ``sole(box)``: whether a gradient in a one-item list is held by nothing
+  else, so that it may become a ``.grad`` uncopied (:func:`sole_fn`);
 * ``accumulate(variables, grads, stealable)``: eager's ``AccumulateGrad``
   for plain dense leaves and gradients with grad mode off (the case of every
   backward without ``create_graph``), see :func:`accumulate_fn`; and
@@ -79,6 +81,7 @@ class Native:
     reclaim: Callable[[list, list], bool] | None
     hookless: Callable[[tuple], bool] | None = None
     device_frees: Callable[[int], int] | None = None
+    sole: Callable[[list], bool] | None = None
 
 
 _lock = threading.Lock()
@@ -102,7 +105,10 @@ def _load() -> Native | None:
         self_tests.counts(module.counts)
         self_tests.release(module.release)
     except Exception as e:  # noqa: BLE001  (no compiler, a compile or load error)
-        detail = getattr(e, "stderr", None) or e
+        # as text: a log record that kept the exception would keep the
+        # frames of the backward that loaded the extension (and its saved
+        # tensors) alive
+        detail = getattr(e, "stderr", None) or str(e)
         log.warning(
             "cagrad cannot detect hooks added from C++ (%s: %s): they would not run in compiled backwards; "
             "install a C++ compiler to enable the check",
@@ -119,22 +125,28 @@ def _load() -> Native | None:
         self_tests.metadata(metadata)
     except Exception as e:  # noqa: BLE001  (guards read the metadata in Python then)
         metadata = None
-        log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", e)
+        log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", str(e))
     reclaim = None
     try:
         self_tests.reclaim(module.reclaim)
         reclaim = module.reclaim
     except Exception as e:  # noqa: BLE001  (CUDA graphs copy their outputs then)
-        log.warning("cagrad's C++ reclaim of CUDA-graph outputs failed its self-test (%s); outputs are copied", e)
+        log.warning("cagrad's C++ reclaim of CUDA-graph outputs failed its self-test (%s); outputs are copied", str(e))
     hookless = None
     try:
         self_tests.hookless(module.hookless, module.counts)
         hookless = module.hookless
     except Exception as e:  # noqa: BLE001  (guards call counts() per node then)
-        log.warning("cagrad's C++ hookless() failed its self-test (%s); hit guards check hooks node by node", e)
+        log.warning("cagrad's C++ hookless() failed its self-test (%s); hit guards check hooks node by node", str(e))
+    sole = None
+    try:
+        self_tests.sole(module.sole)
+        sole = module.sole
+    except Exception as e:  # noqa: BLE001  (gradients handed to .grad are copied then)
+        log.warning("cagrad's C++ sole() failed its self-test (%s); segmented runs copy gradients into .grad", str(e))
     return Native(
         module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim, hookless,
-        module.device_frees,
+        module.device_frees, sole,
     )
 
 
@@ -216,6 +228,24 @@ def accumulate_fns() -> tuple[Callable[[list, list, list], list], Callable[[list
     return (native.accumulate, native.stealable) if native is not None else None
 
 
+def sole_fn() -> Callable[[list], bool] | None:
+    """The C++ ``sole(box) -> bool``, or None if unavailable (then a
+    segmented run copies every gradient it accumulates, as before).
+
+    ``box`` is a list of one item; True when that item is a tensor held by
+    nothing but the list: its only Python reference is the list's, its
+    TensorImpl's only reference is that Python object's, and no other
+    tensor shares its memory. Such a gradient may become a leaf's ``.grad``
+    without a copy (eager's AccumulateGrad checks the TensorImpl's
+    ``use_count``; a shared memory is refused here besides).
+
+    Raises (the returned function):
+        TypeError: ``box`` is not a list of one item.
+    """
+    native = load()
+    return native.sole if native is not None else None
+
+
 def reclaim_fn() -> Callable[[list, list], bool] | None:
     """The C++ ``reclaim(handed, owners) -> bool``, or None if unavailable
     (then :mod:`cagrad.compile.cuda_graphs` hands out no memory of a graph).
@@ -270,7 +300,7 @@ def device_frees_fn() -> Callable[[int], int] | None:
                 if not ok:
                     log.warning("cagrad's C++ device_frees() disagrees with torch.cuda.memory_stats(); no early replays")
         except Exception as e:  # noqa: BLE001  (CUDA graphs replay after their guard then)
-            log.warning("cagrad's C++ device_frees() failed (%s); no early replays", e)
+            log.warning("cagrad's C++ device_frees() failed (%s); no early replays", str(e))
         if not ok:
             _frees_checked = False
             return None

@@ -891,6 +891,36 @@ static PyObject* reclaim(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// sole(box: list) -> bool: whether box[0], a tensor, is held by nothing but
+// the list: one Python reference (the list's), one reference to its
+// TensorImpl (its Python object's), and its memory held by it alone, or by it
+// and the base it is a view of (a transposed mm result). Such a gradient may
+// become a leaf's .grad without a copy, as eager's AccumulateGrad adopts a
+// gradient whose use_count shows that no one else holds it (accumulateGrad
+// in torch/csrc/autograd/functions/accumulate_grad.h, which adopts views as
+// well). Stricter here: a gradient whose memory a third tensor shares (two
+// outputs of a compiled segment over one buffer) is copied.
+static PyObject* sole(PyObject*, PyObject* box) {
+  if (!PyList_Check(box) || PyList_GET_SIZE(box) != 1) {
+    PyErr_SetString(PyExc_TypeError, "sole(box): a list of one item");
+    return nullptr;
+  }
+  PyObject* obj = PyList_GET_ITEM(box, 0);
+  if (!is_tensor_type(reinterpret_cast<PyObject*>(Py_TYPE(obj))) || Py_REFCNT(obj) != 1) {
+    Py_RETURN_FALSE;
+  }
+  const at::Tensor& t = tensor_of(obj);
+  if (!t.defined() || t.use_count() != 1 || !t.has_storage()) {
+    Py_RETURN_FALSE;
+  }
+  // a view's base holds the memory too (its view metadata holds the base);
+  // a third holder is another live tensor over it
+  if (t.storage().use_count() != (t.is_view() ? 2u : 1u)) {
+    Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
 // device_frees(device: int) -> int: how many times the CUDA caching allocator
 // has given memory of this device back to the driver (cudaFree, or pages of
 // an expandable segment unmapped): its DeviceStats.num_device_free. While the
@@ -929,6 +959,7 @@ static PyMethodDef methods[] = {
     {"release", release, METH_O, nullptr},
     {"hookless", hookless, METH_O, nullptr},
     {"device_frees", device_frees, METH_O, nullptr},
+    {"sole", sole, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};

@@ -181,3 +181,27 @@ def reclaim(reclaim: Any) -> None:
     view = handed[0][2:]
     if reclaim(handed, [owner]) or view.data_ptr() != owner.data_ptr() + 8:
         raise RuntimeError("reclaim() moved an alias that a view shares")
+
+
+def sole(sole: Any) -> None:
+    """A fresh tensor only the list holds is sole, and so is a view that
+    shares its memory with its base alone; one with another Python
+    reference, or memory a third tensor shares, is not."""
+    if not sole([torch.arange(6.0)]):
+        raise RuntimeError("sole() refused a tensor only the list holds")
+    kept = torch.arange(6.0)
+    if sole([kept]):
+        raise RuntimeError("sole() accepted a tensor a local variable holds")
+    base = torch.arange(6.0)
+    view = base[2:]
+    if sole([base[:2]]) or sole([view.detach()]):
+        raise RuntimeError("sole() accepted a tensor whose memory a view shares")
+    if sole([1.0]):
+        raise RuntimeError("sole() accepted an item that is not a tensor")
+    if not sole([torch.arange(6.0).reshape(2, 3).t()]):
+        raise RuntimeError("sole() refused a view that alone shares its base's memory")
+    matrix = torch.arange(6.0).reshape(2, 3)
+    row = matrix[0]
+    if sole([matrix.t()]):
+        raise RuntimeError("sole() accepted a view whose memory another view shares")
+    del row

@@ -76,7 +76,7 @@ class Interpreter:
             return [self._arg(x) for x in a]
         return a
 
-    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any) -> Any:
+    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
         return getattr(runtime_ops, op)(*(self._arg(a) for a in args))
 
 

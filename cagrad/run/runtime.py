@@ -86,8 +86,16 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 
 
-def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list[int]) -> list:
-    """Runs a segmented backward; returns the ``autograd.grad`` results."""
+def run_segmented(
+    entry: Any, collected: Any, sizes: list[int], sym_values: list[int], release_early: bool = False
+) -> list:
+    """Runs a segmented backward; returns the ``autograd.grad`` results.
+
+    ``release_early`` (a backward without ``retain_graph``): each node's
+    saved tensors are freed as soon as the run is past the node, instead of
+    after the run (:class:`_PastNodes`), and the run holds the only
+    references to the lifted tensors (``collected``'s list is emptied).
+    """
     traced = entry.traced
     objects = runtime_objects(collected.collector, collected.task, traced.force_opaque)
     resumed: list[list] = []
@@ -119,15 +127,22 @@ def run_segmented(entry: Any, collected: Any, sizes: list[int], sym_values: list
         entry.last_deopt = ((point.pos, point.phase), pattern, failure.layout, seen)
         return []
 
+    inputs = graph_inputs(entry, collected.collector.args.tensors)
+    past = None
+    if release_early:
+        collected.collector.args.tensors.clear()
+        past = _PastNodes(collected)
     with run_context.grad_mode():
         outs = segments.run(
             entry.segmented,
-            graph_inputs(entry, collected.collector.args.tensors),
+            inputs,
             sizes,
             sym_values,
             objects,
             on_speculation_failed,
             entry.learn_layouts,
+            hand_over=release_early,
+            before_opaque=None if past is None else past.before,
         )
     entry.calls += 1
     if resumed:
@@ -168,6 +183,70 @@ def _defined(value: Any, free: bool) -> Any:
     return order
 
 
+class _PastNodes:
+    """Releases the saved tensors of a segmented run's nodes as the run goes
+    past them.
+
+    Eager releases a node's saved tensors right after it ran, its hooks
+    included (``call_function`` then ``release_variables`` in
+    ``torch/csrc/autograd/engine.cpp``). A segmented run knows where it is
+    at each opaque call: the node at its position ``q``
+    (:attr:`~cagrad.capture.segments.OpaqueStep.pos`) is being run, and
+    every node before ``q`` has run. So before each opaque call, the nodes
+    before ``q`` that hold saved tensors (traced nodes with lifted tensors,
+    nodes run as they are) are released; the rest are released after the
+    run (:func:`release`). A node released here is never run again: the
+    interpreter resumes a backward at a later position.
+    """
+
+    def __init__(self, collected: Any) -> None:
+        self.collected = collected
+        position = {id(call.node): pos for pos, call in enumerate(collected.task.order) if call.node is not None}
+        by_pos: dict[int, tuple[list, list]] = {}
+        for slot in collected.collector.args.slots:
+            if slot is not None:
+                by_pos.setdefault(position[id(slot[0])], ([], []))[0].append(slot)
+        for call in collected.collector.releases:
+            by_pos.setdefault(position[id(call.node)], ([], []))[1].append(call)
+        self.pending = sorted(by_pos.items(), key=lambda item: item[0])
+        self.done = 0  # how many of pending are released
+
+    def before(self, step: Any) -> None:
+        q = step.pos
+        if q is None:
+            return
+        k = self.done
+        while k < len(self.pending) and self.pending[k][0] < q:
+            k += 1
+        if k == self.done:
+            return
+        batch = self.pending[self.done:k]
+        self.done = k
+        slots = [slot for _, (slots_, _) in batch for slot in slots_]
+        calls = [call for _, (_, calls_) in batch for call in calls_]
+        _release_nodes(self.collected, slots, calls)
+
+
+def _release_nodes(collected: Any, slots: Sequence[Any], calls: Sequence[Any]) -> None:
+    """Frees the saved tensors of the nodes of lifted ``slots`` and of the
+    nodes run as they are (``calls``, NodeCalls of
+    ``collected.collector.releases``)."""
+    nodes = _nodes_of(slots)
+    nodes.extend(call.node for call in calls)
+    if saved_variables.release_nodes(nodes):
+        return
+    release_slots(slots)
+    plans = collected.collector.plans
+    position = {id(call): pos for pos, call in enumerate(collected.task.order)}
+    for call in calls:
+        kind = plans[position[id(call)]].kind
+        if kind is Kind.CUSTOM:
+            saved_variables.release_custom(call.node)
+        else:
+            schema = call.schema
+            saved_variables.release_node(call.node, schema.tensors, schema.tensor_lists)
+
+
 def release(collected: Any, lifted: bool = True) -> None:
     """Frees the saved tensors of every node that ran, as eager does.
 
@@ -175,21 +254,8 @@ def release(collected: Any, lifted: bool = True) -> None:
         lifted: also the slots whose tensors the graph read as inputs
             (False when :func:`release_lifted` freed them before the call).
     """
-    nodes = _nodes_of(collected.collector.args.slots) if lifted else []
-    nodes.extend(call.node for call in collected.collector.releases)
-    if saved_variables.release_nodes(nodes):
-        return
-    if lifted:
-        release_lifted(collected)
-    plans = collected.collector.plans
-    position = {id(call): pos for pos, call in enumerate(collected.task.order)}
-    for call in collected.collector.releases:
-        kind = plans[position[id(call)]].kind
-        if kind is Kind.CUSTOM:
-            saved_variables.release_custom(call.node)
-        else:
-            schema = call.schema
-            saved_variables.release_node(call.node, schema.tensors, schema.tensor_lists)
+    slots = collected.collector.args.slots if lifted else []
+    _release_nodes(collected, slots, collected.collector.releases)
 
 
 def release_lifted(collected: Any) -> None:

@@ -8,9 +8,11 @@ timed. Sizes follow issue 10's table: on CUDA the larger ones.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -104,6 +106,31 @@ def checkpointed_mlp(device: str) -> Workload:
     return _module_workload(_Checkpointed(blocks).to(device), torch.randn(batch, width, device=device))
 
 
+def ddp_mlp(device: str) -> Workload:
+    """A deeper MLP (8 Linear + ReLU blocks) under ``DistributedDataParallel``
+    in a process group of one (gloo on CPU, NCCL on CUDA; started here on a
+    free port of 127.0.0.1 unless one is running): the reducer's hooks on
+    every weight's AccumulateGrad cut a compiled backward into segments, and
+    each bucket's all-reduce runs from inside the backward."""
+    _one_process_group("nccl" if device == "cuda" else "gloo")
+    width, batch = (1024, 256) if device == "cuda" else (256, 64)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index or 0] if device == "cuda" else None)
+    return _module_workload(ddp, torch.randn(batch, width, device=device))
+
+
+def _one_process_group(backend: str) -> None:
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 class _Chain(nn.Module):
     def __init__(self, width: int, n: int, device: str) -> None:
         super().__init__()
@@ -140,8 +167,9 @@ SERIES: dict[str, Callable[[str], Workload]] = {
 }
 STEADY = list(WORKLOADS)  # the steady-state table's default rows
 WORKLOADS.update(SERIES)
-# more rows on request (--workloads): a stack with nodes a compiled autograd
-# runs as they are (segmented backwards)
+# more rows on request (--workloads): stacks whose backwards a compiled
+# autograd runs segmented (nodes run as they are, DDP's reducer hooks)
 WORKLOADS["checkpointed_mlp"] = checkpointed_mlp
+WORKLOADS["ddp_mlp"] = ddp_mlp
 FAMILIES = {"transformer": ["transformer", "transformer2", "transformer4", "transformer8"],
             "chain": ["chain50", "chain100", "chain200", "chain400"]}

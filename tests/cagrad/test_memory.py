@@ -229,3 +229,112 @@ def test_a_segmented_backward_drops_a_gradient_after_its_last_reader(backend):
     assert _intermediate_gradient_alive_at_the_leaf(None) == [False] * 3
     assert _intermediate_gradient_alive_at_the_leaf(backend) == [False] * 3
     assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2
+
+
+def _saved_activations_alive_at_each_layer(compiled: str | None, layers: int = 4) -> list[tuple[bool, ...]]:
+    """Per weight, when its gradient is accumulated (its post-accumulate-grad
+    hook): which layers' saved activations are still alive. Layer ``k``
+    computes ``h_k = exp(h_{k-1} @ w_k)``: ``ExpBackward0`` saves ``h_k``,
+    and layer ``k + 1``'s ``MmBackward0`` saves it too. Eager releases a
+    node's saved tensors right after it ran, so at ``w_k``'s hook the
+    activations of layers ``k`` and up are gone and the earlier ones are
+    alive. The hooks cut a compiled backward into segments and opaque calls,
+    as DDP's reducer hooks do."""
+    seen: list[tuple[bool, ...]] = []
+    torch.manual_seed(0)
+    ws = [torch.randn(32, 32).mul_(0.1).requires_grad_() for _ in range(layers)]
+
+    def one():
+        refs = []
+        h = torch.randn(8, 32)
+        for w in ws:
+            h = (h @ w).exp()
+            refs.append(StorageWeakRef(h.untyped_storage()))
+        loss = h.sum()
+        del h
+        handles = [w.register_post_accumulate_grad_hook(lambda _: seen.append(tuple(not r.expired() for r in refs)))
+                   for w in ws]
+        loss.backward()
+        for handle in handles:
+            handle.remove()
+        for w in ws:
+            w.grad = None
+
+    if compiled is None:
+        for _ in range(3):
+            one()
+    else:
+        with cagrad.enable(compiled):
+            for _ in range(3):
+                one()
+    return seen
+
+
+@pytest.mark.parametrize("release", ["extension", "python"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_segmented_backward_frees_each_nodes_saved_tensors_once_past_it(backend, release, monkeypatch):
+    from cagrad import native
+
+    cagrad.reset()
+    eager = _saved_activations_alive_at_each_layer(None)
+    # w_4 is accumulated first: layers 1-3 alive; w_1 last: none
+    assert eager[:4] == [(True, True, True, False), (True, True, False, False),
+                         (True, False, False, False), (False, False, False, False)]
+    if release == "python":
+        monkeypatch.setattr(native, "_native", False)
+    assert _saved_activations_alive_at_each_layer(backend) == eager
+    assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2
+
+
+def _adoptions(compiled: str | None, keep: bool) -> list[tuple[bool, bool]]:
+    """Per backward: whether ``w.grad`` is the very gradient ``w``'s hook saw
+    (adopted, no copy), and whether a gradient the hook kept still holds the
+    values it was handed. The hook (not traceable: it appends to a list)
+    cuts a compiled backward into segments and opaque calls; with ``keep``
+    it also holds on to the gradient, so eager copies it into ``.grad``."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(4, 16)
+    out = []
+
+    def one():
+        seen, kept = [], []
+
+        def hook(g):
+            seen.append(g.data_ptr())
+            if keep:
+                kept.append((g, g.clone()))
+
+        handle = w.register_hook(hook)
+        (x @ w).tanh().sum().backward()
+        handle.remove()
+        adopted = w.grad.data_ptr() == seen[0]
+        intact = all(torch.equal(g, copy) for g, copy in kept)
+        out.append((adopted, intact))
+
+    if compiled is None:
+        for _ in range(3):
+            one()
+    else:
+        with cagrad.enable(compiled):
+            for _ in range(3):
+                one()
+    return out
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["free", "kept_by_a_hook"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_segmented_backward_adopts_a_gradient_into_grad_as_eager_does(backend, keep):
+    """Eager's AccumulateGrad makes a gradient no one else holds ``.grad``
+    without a copy, and copies one that a hook kept; the later backwards
+    then add in place into ``.grad``, which must leave the kept one alone."""
+    from cagrad import native
+
+    if native.sole_fn() is None:
+        pytest.skip("no C++ extension: a segmented run copies every gradient")
+    cagrad.reset()
+    eager = _adoptions(None, keep)
+    # the first backward adopts or copies; the next ones add into .grad
+    assert eager == [(not keep, True), (False, True), (False, True)]
+    assert _adoptions(backend, keep) == eager
+    assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2
