@@ -122,6 +122,28 @@ def ddp_mlp(device: str) -> Workload:
     return _module_workload(ddp, torch.randn(batch, width, device=device))
 
 
+def fsdp2_mlp(device: str) -> Workload:
+    """The 8-block MLP of :func:`ddp_mlp` under FSDP2 (``fully_shard`` on
+    each Linear and on the root, a mesh of one rank): its hooks unshard each
+    layer's parameters before the layer's backward, reshard them after, and
+    reduce-scatter the gradients from inside the backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _one_process_group("nccl" if device == "cuda" else "gloo")
+    width, batch = (1024, 256) if device == "cuda" else (256, 64)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*layers).to(device)
+    mesh = init_device_mesh(torch.device(device).type, (1,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _module_workload(model, torch.randn(batch, width, device=device))
+
+
 def _one_process_group(backend: str) -> None:
     if dist.is_initialized():
         return
@@ -171,5 +193,6 @@ WORKLOADS.update(SERIES)
 # autograd runs segmented (nodes run as they are, DDP's reducer hooks)
 WORKLOADS["checkpointed_mlp"] = checkpointed_mlp
 WORKLOADS["ddp_mlp"] = ddp_mlp
+WORKLOADS["fsdp2_mlp"] = fsdp2_mlp
 FAMILIES = {"transformer": ["transformer", "transformer2", "transformer4", "transformer8"],
             "chain": ["chain50", "chain100", "chain200", "chain400"]}

@@ -59,19 +59,21 @@ def test_the_checkpointed_workload_runs_compiled_after_one_layout_recapture(tmp_
     assert (counters["captures"], counters["cache_hits"], counters["fallbacks"]) == (2, 4, 0)
 
 
-def test_the_ddp_workload_runs_segmented_hits_with_the_reducers_hooks(tmp_path):
-    """DistributedDataParallel in a process group of one (gloo): the
-    reducer's hooks on every AccumulateGrad cut the backward into segments;
-    it is captured once and every later backward hits, with no fallback,
-    and the gradients are all-reduced (the reducer saw every one: DDP
-    raises at the next forward otherwise)."""
+def test_the_ddp_and_fsdp2_workloads_run_segmented_hits_with_their_hooks(tmp_path):
+    """DistributedDataParallel and FSDP2 in a process group of one (gloo):
+    their hooks cut the backward into segments; each is captured once and
+    every later backward hits, with no fallback (a hook that did not run
+    would leave DDP's reducer unfinished, which raises at the next forward,
+    or FSDP2's gradients unreduced and its parameters unsharded)."""
     out = tmp_path / "bench.json"
-    _bench("--workloads", "ddp_mlp", "--subjects", "eager,cagrad[eager]", "--iters", "3", "--json", str(out))
-    cells = json.loads(out.read_text())["cells"]["ddp_mlp"]
-    assert all(c["error"] is None and c["ms"] > 0 for c in cells.values())
-    counters = cells["cagrad[eager]"]["counters"]
-    # 3 warm-up backwards (a capture, 2 hits) and 3 timed hits, none guarded (hooks)
-    assert counters == {"captures": 1, "cache_hits": 5, "guard_hits": 0, "fallbacks": 0}
+    _bench("--workloads", "ddp_mlp,fsdp2_mlp", "--subjects", "eager,cagrad[eager]", "--iters", "3",
+           "--json", str(out))
+    for workload in ("ddp_mlp", "fsdp2_mlp"):
+        cells = json.loads(out.read_text())["cells"][workload]
+        assert all(c["error"] is None and c["ms"] > 0 for c in cells.values()), workload
+        counters = cells["cagrad[eager]"]["counters"]
+        # 3 warm-up backwards (a capture, 2 hits) and 3 timed hits, none guarded (hooks)
+        assert counters == {"captures": 1, "cache_hits": 5, "guard_hits": 0, "fallbacks": 0}, workload
 
 
 def test_bench_rejects_an_unknown_workload():
