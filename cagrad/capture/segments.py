@@ -85,6 +85,11 @@ class Segment:
     # call, so that the boxed call (cagrad.compile.boxed) holds the last
     # reference and frees each after its last use inside the segment
     drop_before: list[str] = dataclasses.field(default_factory=list)
+    # the position of the next opaque step (None: none follows): every node
+    # before it has run, or runs inside this segment with its hooks, so its
+    # saved tensors are read from the run's values, not from the node
+    # (cagrad.run.runtime releases them before the call)
+    next_pos: int | None = None
 
 
 @dataclasses.dataclass
@@ -312,7 +317,18 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
             _plan_hand_over(step)
         held &= needed
         steps.append(step)
+    _set_next_pos(steps)
     return SegmentedGraph(steps, input_reads, object_reads, _names(output_node.args[0]))
+
+
+def _set_next_pos(steps: list[Segment | OpaqueStep]) -> None:
+    """Sets each segment's :attr:`Segment.next_pos`."""
+    next_pos: int | None = None
+    for step in reversed(steps):
+        if isinstance(step, OpaqueStep):
+            next_pos = step.pos
+        else:
+            step.next_pos = next_pos
 
 
 def _plan_hand_over(step: OpaqueStep) -> None:
@@ -564,7 +580,7 @@ def run(
     on_speculation_failed: Callable[[SpeculationFailed, dict[str, Any]], list],
     learn_layouts: bool = True,
     hand_over: bool = False,
-    before_opaque: Callable[[OpaqueStep], None] | None = None,
+    before_step: Callable[[Segment | OpaqueStep], None] | None = None,
 ) -> list:
     """Runs the steps; returns the graph's outputs.
 
@@ -579,7 +595,7 @@ def run(
     ``hand_over``: ``inputs`` is a list the caller needs no more; it is
     emptied, so that the run holds the only references to the inputs it
     has not released yet (each is dropped after its last reader).
-    ``before_opaque(step)`` is called before each opaque call.
+    ``before_step(step)`` is called before each step runs.
     """
     env: dict[str, Any] = {}
     for name, i in sg.input_reads.items():
@@ -590,6 +606,8 @@ def run(
         inputs.clear()  # type: ignore[attr-defined]
     for step in sg.steps:
         if isinstance(step, Segment):
+            if before_step is not None:
+                before_step(step)
             args = [env[n] for n in step.in_names]
             if step.calls:
                 # compiled (a first call may still fall back to the segment's
@@ -614,8 +632,8 @@ def run(
             del args, outs
             _release(env, step.release)
             continue
-        if before_opaque is not None:
-            before_opaque(step)
+        if before_step is not None:
+            before_step(step)
         for name, static, fns in step.restride:
             # in the values themselves: every later reader, and a hook that
             # changes the gradient in place, see one tensor (as in eager)

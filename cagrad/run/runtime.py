@@ -142,7 +142,7 @@ def run_segmented(
             on_speculation_failed,
             entry.learn_layouts,
             hand_over=release_early,
-            before_opaque=None if past is None else past.before,
+            before_step=None if past is None else past.before,
         )
     entry.calls += 1
     if resumed:
@@ -192,11 +192,16 @@ class _PastNodes:
     ``torch/csrc/autograd/engine.cpp``). A segmented run knows where it is
     at each opaque call: the node at its position ``q``
     (:attr:`~cagrad.capture.segments.OpaqueStep.pos`) is being run, and
-    every node before ``q`` has run. So before each opaque call, the nodes
-    before ``q`` that hold saved tensors (traced nodes with lifted tensors,
-    nodes run as they are) are released; the rest are released after the
-    run (:func:`release`). A node released here is never run again: the
-    interpreter resumes a backward at a later position.
+    every node before ``q`` has run. Before a segment, with ``q`` the
+    position of the next opaque call (:attr:`~cagrad.capture.segments.
+    Segment.next_pos`), every node before ``q`` has run or runs inside the
+    segment, hooks included, reading its saved tensors from the run's
+    values (which the segment's boxed call then frees after their last
+    use). So before each step, the nodes before ``q`` that hold saved
+    tensors (traced nodes with lifted tensors, nodes run as they are) are
+    released; the rest are released after the run (:func:`release`). A
+    node released here is never run again: the interpreter resumes a
+    backward at a later position.
     """
 
     def __init__(self, collected: Any) -> None:
@@ -212,9 +217,14 @@ class _PastNodes:
         self.done = 0  # how many of pending are released
 
     def before(self, step: Any) -> None:
-        q = step.pos
-        if q is None:
-            return
+        if isinstance(step, segments.Segment):
+            q = step.next_pos
+            if q is None:
+                q = len(self.collected.task.order)  # no opaque call follows: every node
+        else:
+            q = step.pos
+            if q is None:
+                return
         k = self.done
         while k < len(self.pending) and self.pending[k][0] < q:
             k += 1

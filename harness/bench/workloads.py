@@ -112,14 +112,9 @@ def ddp_mlp(device: str) -> Workload:
     free port of 127.0.0.1 unless one is running): the reducer's hooks on
     every weight's AccumulateGrad cut a compiled backward into segments, and
     each bucket's all-reduce runs from inside the backward."""
-    _one_process_group("nccl" if device == "cuda" else "gloo")
-    width, batch = (1024, 256) if device == "cuda" else (256, 64)
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers).to(device)
+    model, x = _deep_mlp(device)
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index or 0] if device == "cuda" else None)
-    return _module_workload(ddp, torch.randn(batch, width, device=device))
+    return _module_workload(ddp, x)
 
 
 def fsdp2_mlp(device: str) -> Workload:
@@ -130,18 +125,24 @@ def fsdp2_mlp(device: str) -> Workload:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    _one_process_group("nccl" if device == "cuda" else "gloo")
-    width, batch = (1024, 256) if device == "cuda" else (256, 64)
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    model = nn.Sequential(*layers).to(device)
+    model, x = _deep_mlp(device)
     mesh = init_device_mesh(torch.device(device).type, (1,))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return _module_workload(model, torch.randn(batch, width, device=device))
+    return _module_workload(model, x)
+
+
+def _deep_mlp(device: str) -> tuple[nn.Sequential, torch.Tensor]:
+    """8 Linear + ReLU blocks and an input batch, in a process group of one
+    (started here unless one is running)."""
+    _one_process_group("nccl" if device == "cuda" else "gloo")
+    width, batch = (1024, 256) if device == "cuda" else (256, 64)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers).to(device), torch.randn(batch, width, device=device)
 
 
 def _one_process_group(backend: str) -> None:

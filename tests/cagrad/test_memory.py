@@ -197,6 +197,18 @@ def test_a_copied_gradient_keeps_eagers_strides_for_odd_leaf_layouts():
         assert torch.equal(leaf.grad, ref.grad)
 
 
+def _three_backwards(one, compiled: str | None) -> None:
+    """Calls ``one()`` three times, in eager or under ``cagrad.enable(compiled)``
+    (a capture, then two cache hits)."""
+    if compiled is None:
+        for _ in range(3):
+            one()
+        return
+    with cagrad.enable(compiled):
+        for _ in range(3):
+            one()
+
+
 def _intermediate_gradient_alive_at_the_leaf(compiled: str | None) -> list[bool]:
     """Per backward: whether the gradient an observing hook saw on ``h`` is
     still alive when the leaf's hook runs. ``h``'s gradient is read by
@@ -213,13 +225,7 @@ def _intermediate_gradient_alive_at_the_leaf(compiled: str | None) -> list[bool]
         x.register_hook(lambda g: alive.append(not refs[0].expired()) or None)
         (h.sin() * 2).sum().backward()
 
-    if compiled is None:
-        for _ in range(3):
-            one()
-    else:
-        with cagrad.enable(compiled):
-            for _ in range(3):
-                one()
+    _three_backwards(one, compiled)
     return alive
 
 
@@ -260,13 +266,7 @@ def _saved_activations_alive_at_each_layer(compiled: str | None, layers: int = 4
         for w in ws:
             w.grad = None
 
-    if compiled is None:
-        for _ in range(3):
-            one()
-    else:
-        with cagrad.enable(compiled):
-            for _ in range(3):
-                one()
+    _three_backwards(one, compiled)
     return seen
 
 
@@ -312,13 +312,7 @@ def _adoptions(compiled: str | None, keep: bool) -> list[tuple[bool, bool]]:
         intact = all(torch.equal(g, copy) for g, copy in kept)
         out.append((adopted, intact))
 
-    if compiled is None:
-        for _ in range(3):
-            one()
-    else:
-        with cagrad.enable(compiled):
-            for _ in range(3):
-                one()
+    _three_backwards(one, compiled)
     return out
 
 
