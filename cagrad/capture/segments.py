@@ -282,10 +282,7 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
         needed_after.append(set(later))
         if isinstance(group, OpaqueStep):
             _used(group.node.args, later)
-            r = group.resume
-            if r is not None:
-                for names in [*r.buffers.values(), r.captured, r.inputs]:
-                    later.update(n for n in names if n is not None)
+            later |= _resume_names(group)
         else:
             for node in group:
                 for a in node.all_input_nodes:
@@ -331,29 +328,25 @@ def _set_next_pos(steps: list[Segment | OpaqueStep]) -> None:
             step.next_pos = next_pos
 
 
+def _resume_names(step: OpaqueStep) -> set[str]:
+    """The values ``step``'s resume point names (the interpreter reads them
+    if the step's check fails)."""
+    r = step.resume
+    if r is None:
+        return set()
+    return {n for names in [*r.buffers.values(), r.captured, r.inputs] for n in names if n is not None}
+
+
 def _plan_hand_over(step: OpaqueStep) -> None:
     """Sets ``step.drop_before`` and ``step.hands_grad`` from its release list."""
-    reads = [a.name for a in step.node.all_input_nodes]
-    own_resume: set[str] = set()
-    r = step.resume
-    if r is not None:
-        for names in [*r.buffers.values(), r.captured, r.inputs]:
-            own_resume.update(n for n in names if n is not None)
-    step.drop_before = sorted((set(step.release) & set(reads)) - own_resume)
-    if step.node.target is runtime_ops.accumulate and len(step.args) == 3:
-        grad = step.args[1]
-        others = set()
-        _used_refs(step.args[0], others)
-        _used_refs(step.args[2], others)
-        step.hands_grad = isinstance(grad, _Ref) and grad in step.drop_before and grad not in others
-
-
-def _used_refs(arg: Any, out: set[str]) -> None:
-    if isinstance(arg, _Ref):
-        out.add(str(arg))
-    elif isinstance(arg, (list, tuple)):
-        for a in arg:
-            _used_refs(a, out)
+    reads = {a.name for a in step.node.all_input_nodes}
+    step.drop_before = sorted((set(step.release) & reads) - _resume_names(step))
+    args = step.node.args
+    if step.node.target is runtime_ops.accumulate and len(args) == 3 and isinstance(args[1], torch.fx.Node):
+        others: set[str] = set()
+        _used([args[0], args[2]], others)
+        grad = args[1].name
+        step.hands_grad = grad in step.drop_before and grad not in others
 
 
 def _restride_plan(
