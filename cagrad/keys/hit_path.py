@@ -50,12 +50,14 @@ import logging
 import operator
 import os
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import native
+from ..native import guard_program
 from ..autograd import saved_variables
 from ..autograd.walk import Kind
 from .cache_key import KeyWriter
@@ -198,6 +200,11 @@ _pack_d = struct.Struct("<d").pack
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
+def _describe_tensor(t: torch.Tensor) -> str:
+    """What a tensor key packs, for the guard's listing."""
+    return f"{t.dtype}, {t.device}, rank {t.dim()}" + (", requires_grad" if t.requires_grad else "")
+
+
 def _key_bytes(v: Any) -> bytes:
     w = KeyWriter()
     w.value(v)
@@ -236,6 +243,14 @@ class _Generator:
             self.consts["_ints"] = self.readers.ints
             self.consts["_int"] = self.readers.int_
             self.consts["_order"] = self.readers.order
+        # the C++ runner of per-node checks given as instructions
+        # (cagrad.native.guard_program): what it can check goes into one
+        # program call per run of instructions, not a Python line each
+        self.collect = native.collect_fn() if self.readers is not None else None
+        if self.collect is not None:
+            self.consts["_collect"] = self.collect
+        self.ops: list[tuple[tuple, str]] = []  # instructions not yet emitted, each with its comment
+        self.pos_of = {c.id: pos for pos, c in enumerate(self.task.order)}
         self.var: dict[int, str] = {}  # discovery id -> local name
         self.md_loaded: set[int] = set()
         self.release_slots: list[tuple[int, str, int]] = []
@@ -251,7 +266,25 @@ class _Generator:
         return name
 
     def emit(self, line: str) -> None:
+        if self.ops:
+            self._flush()
         self.lines.append("    " + line)
+
+    def _op(self, op: tuple, note: str = "") -> bool:
+        """Queues an instruction (and a comment for the listing) for the next
+        ``_collect`` call; False where there is no C++ runner (the caller
+        writes Python lines)."""
+        if self.collect is None:
+            return False
+        self.ops.append((op, note))
+        return True
+
+    def _flush(self) -> None:
+        ops, self.ops = self.ops, []
+        names = ["None" if c.node is None else self.var[c.id] for c in self.task.order]
+        for op, note in ops:
+            self.lines.append("    # " + guard_program.describe(op, names) + (f" ({note})" if note else ""))
+        self.emit(f"if not _collect(N, {self.const(tuple(op for op, _ in ops))}, V, L): return None")
 
     def fail_if(self, cond: str) -> None:
         cond, _, comment = cond.partition("  # ")
@@ -264,13 +297,14 @@ class _Generator:
             # every node's hook lists in one C++ call (counts(n, True) per node otherwise)
             nodes = ", ".join(self.var[c.id] for c in self.task.order if c.node is not None)
             self.fail_if(f"counts is not None and not _hookless(({nodes},))")
+        order = ", ".join("None" if c.node is None else self.var[c.id] for c in self.task.order)
+        self.emit(f"N = ({order},)")
         self.emit("V = []")
         self.emit("L = []")
         self._graph_task_key()
         for pos, call in enumerate(self.task.order):
             self._node(pos, call)
-        order = ", ".join("None" if c.node is None else self.var[c.id] for c in self.task.order)
-        self.emit(f"return L, V, ({order},)")
+        self.emit("return L, V, N")
         return "def guard(roots, grads, counts):\n" + "\n".join(self.lines) + "\n"
 
     # -- structure: roots, then the dependency walk's discovery order --------
@@ -377,14 +411,18 @@ class _Generator:
         for fn, input_nr in task.root_edges:
             self._metadata(task.call_of[fn], input_nr)
 
+    def _tensor_key(self, t: torch.Tensor) -> int | None:
+        """The C++ reader's key of ``t``'s metadata, or None where it does
+        not read ``t`` (not a plain tensor or parameter, sparse, nested)."""
+        if self.readers is None or type(t) not in _PLAIN_TENSORS:
+            return None
+        return self.readers.tensor_key(t, type(t))
+
     def _tensor(self, name: str, t: torch.Tensor) -> None:
-        if self.readers is not None and type(t) in _PLAIN_TENSORS:
-            key = self.readers.tensor_key(t, type(t))
-            if key is not None:  # one C++ call: the same comparison, the same values appended
-                self.fail_if(f"not _tm({name}, {self.const(type(t))}, {key}, V)  # "
-                             f"{type(t).__name__}, {t.dtype}, {t.device}, rank {t.dim()}"
-                             + (", requires_grad" if t.requires_grad else ""))
-                return
+        key = self._tensor_key(t)
+        if key is not None:  # one C++ call: the same comparison, the same values appended
+            self.fail_if(f"not _tm({name}, {self.const(type(t))}, {key}, V)  # {_describe_tensor(t)}")
+            return
         meta = (type(t), t.layout, t.dtype, t.device, t.requires_grad, t.dim())
         self.emit(f"z = {name}.shape")
         self.fail_if(
@@ -399,6 +437,9 @@ class _Generator:
         md = target.input_metadata[input_nr]
         name = self.var[target.id]
         key = self.readers.metadata_key(target.node, input_nr) if self.readers is not None else None
+        note = f"{md.dtype}, {md.device}, rank {len(md.shape)}"
+        if key is not None and self._op((guard_program.METADATA, self.pos_of[target.id], input_nr, key), note):
+            return
         if key is not None:  # dtype, device and rank packed; sizes appended to V
             self.fail_if(f"not _md({name}, {input_nr}, {key}, V)  # {md.dtype}, {md.device}, rank {len(md.shape)}")
             return
@@ -423,6 +464,10 @@ class _Generator:
             self.fail_if(f"counts is not None and counts({n}, True) is not None")
         plan = self.collector.plans[pos]
         if plan.kind is Kind.ACCUMULATE:
+            v = call.node.variable
+            key = self._tensor_key(v)
+            if key is not None and self._op((guard_program.LEAF, pos, type(v), key), _describe_tensor(v)):
+                return
             self.emit(f"v = {n}.variable")
             self.fail_if("v.grad_fn is not None or v._backward_hooks")
             self.fail_if("getattr(v, '_post_accumulate_grad_hooks', None)")
@@ -431,9 +476,9 @@ class _Generator:
         schema = call.schema
         node = call.node
         for attr in schema.values:
-            self._value(f"{n}._saved_{attr}", getattr(node, "_saved_" + attr))
+            self._value(pos, "_saved_" + attr, getattr(node, "_saved_" + attr))
         for attr in schema.sym_values:
-            self._sym_value(f"{n}._saved_{attr}", getattr(node, "_saved_" + attr))
+            self._sym_value(pos, "_saved_" + attr, getattr(node, "_saved_" + attr))
         for attr in schema.tensors:
             self._saved(pos, f"{n}._saved_{attr}", attr, -1)
         for attr in schema.tensor_lists:
@@ -446,8 +491,21 @@ class _Generator:
             if fn is not None:
                 self._metadata(task.call_of[fn], input_nr)
 
-    def _value(self, expr: str, v: Any) -> None:
-        self.emit(f"a = {expr}")
+    def _value(self, pos: int, attr: str, v: Any) -> None:
+        name = sys.intern(attr)
+        if v is None or v is True or v is False or isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
+            op: tuple | None = (guard_program.IS, pos, name, v)
+        elif type(v) in (int, str):
+            op = (guard_program.EQ, pos, name, v)
+        elif type(v) is float:
+            op = (guard_program.FLOAT, pos, name, v)
+        elif type(v) in (tuple, list) and all(type(x) is int for x in v):
+            op = (guard_program.INT_SEQ, pos, name, v)
+        else:
+            op = None
+        if op is not None and self._op(op):
+            return
+        self.emit(f"a = {self.var[self.task.order[pos].id]}.{attr}")
         if v is None or v is True or v is False:
             self.fail_if(f"a is not {v}")
         elif type(v) in (int, str):
@@ -461,8 +519,19 @@ class _Generator:
         else:
             self.fail_if(f"_key_bytes(a) != {self.const(_key_bytes(v))}")
 
-    def _sym_value(self, expr: str, v: Any) -> None:
-        self.emit(f"a = {expr}")
+    def _sym_value(self, pos: int, attr: str, v: Any) -> None:
+        name = sys.intern(attr)
+        if v is None:
+            op: tuple | None = (guard_program.IS, pos, name, None)
+        elif isinstance(v, (tuple, list)) and all(type(x) is int for x in v):
+            op = (guard_program.INTS, pos, name, len(v))
+        elif type(v) is int:
+            op = (guard_program.INT, pos, name)
+        else:
+            op = None
+        if op is not None and self._op(op):
+            return
+        self.emit(f"a = {self.var[self.task.order[pos].id]}.{attr}")
         if v is None:
             self.fail_if("a is not None")
         elif isinstance(v, (tuple, list)):
@@ -478,9 +547,17 @@ class _Generator:
             self.emit("V.append(_int64(a))")
 
     def _saved(self, pos: int, expr: str, attr: str, index: int) -> None:
-        self.emit(f"x = {expr}")
         # the same rule as Collector._lift: None, or a lifted tensor
         captured = self._peek_saved(pos, attr, index)
+        if index < 0:
+            name = sys.intern("_saved_" + attr)
+            key = None if captured is None else self._tensor_key(captured)
+            if captured is None and self._op((guard_program.NONE, pos, name)):
+                return
+            if key is not None and self._op((guard_program.TENSOR, pos, name, type(captured), key), _describe_tensor(captured)):
+                self.release_slots.append((pos, attr, index))
+                return
+        self.emit(f"x = {expr}")
         if captured is None:
             self.fail_if("x is not None")
             return

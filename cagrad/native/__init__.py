@@ -22,6 +22,9 @@ on first need) provides:
   moved to new memory (:func:`reclaim_fn`); ``device_frees(device)``: how
   often the CUDA caching allocator has given memory back to the driver
   (:func:`device_frees_fn`, for a CUDA graph's early replay);
+* ``collect(nodes, program, values, tensors)``: a hit guard's checks of
+  every node's attributes and metadata, as a program
+  (:mod:`cagrad.native.guard_program`), in one call (:func:`collect_fn`);
 * ``sole(box)``: whether a gradient in a one-item list is held by nothing
   else, so that it may become a ``.grad`` uncopied (:func:`sole_fn`);
 * ``accumulate(variables, grads, stealable)``: eager's ``AccumulateGrad``
@@ -82,6 +85,7 @@ class Native:
     hookless: Callable[[tuple], bool] | None = None
     device_frees: Callable[[int], int] | None = None
     sole: Callable[[list], bool] | None = None
+    collect: Callable[[tuple, tuple, list, list], bool] | None = None
 
 
 _lock = threading.Lock()
@@ -144,9 +148,16 @@ def _load() -> Native | None:
         sole = module.sole
     except Exception as e:  # noqa: BLE001  (gradients handed to .grad are copied then)
         log.warning("cagrad's C++ sole() failed its self-test (%s); segmented runs copy gradients into .grad", str(e))
+    collect = None
+    if metadata is not None:
+        try:
+            self_tests.collect(module.collect, metadata)
+            collect = module.collect
+        except Exception as e:  # noqa: BLE001  (guards check each attribute in a Python line then)
+            log.warning("cagrad's C++ collect() failed its self-test (%s); hit guards check in Python", str(e))
     return Native(
         module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim, hookless,
-        module.device_frees, sole,
+        module.device_frees, sole, collect,
     )
 
 
@@ -160,6 +171,25 @@ def hookless_fn() -> Callable[[tuple], bool] | None:
     """
     native = load()
     return native.hookless if native is not None else None
+
+
+def collect_fn() -> Callable[[tuple, tuple, list, list], bool] | None:
+    """The C++ ``collect(nodes, program, values, tensors) -> bool``, or None
+    if unavailable (then the hit guards run a Python line per check).
+
+    Runs a hit guard's per-node checks, given as a program of instructions
+    (:mod:`cagrad.native.guard_program` lists them and gives their Python),
+    against the tuple ``nodes``; size values and lifted tensors are
+    appended to the two lists as it goes. False at the first instruction
+    that does not hold.
+
+    Raises (the returned function):
+        TypeError: arguments of other types.
+        ValueError: a malformed instruction, or an index that names no node.
+        RuntimeError: an attribute's (a saved tensor freed or modified in place).
+    """
+    native = load()
+    return native.collect if native is not None else None
 
 
 def metadata_fns() -> MetadataReaders | None:

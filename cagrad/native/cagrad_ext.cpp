@@ -416,8 +416,21 @@ static PyObject* metadata_key(PyObject*, PyObject* const* args, Py_ssize_t nargs
   return PyLong_FromLongLong(key);
 }
 
-// metadata(node, nr, key, sizes) -> bool: whether input nr's metadata has
-// `key` (from metadata_key); if so its sizes are appended to the list `sizes`.
+// Whether input nr's metadata has `want` (from metadata_key); if so its
+// sizes are appended to the list `sizes`: 1, 0 (not), -1 (error).
+static int metadata_check(const Node* node, Py_ssize_t nr, long long want, PyObject* sizes) {
+  if (metadata_key_of(node, nr) != want) {
+    return 0;
+  }
+  for (const auto& size : node->input_metadata(static_cast<size_t>(nr)).shape_as_dim_vector()) {
+    if (append_int(sizes, *size.maybe_as_int()) < 0) {
+      return -1;
+    }
+  }
+  return 1;
+}
+
+// metadata(node, nr, key, sizes) -> bool: metadata_check.
 static PyObject* metadata(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyList_Check(args[3])) {
     PyErr_SetString(PyExc_TypeError, "metadata(node, input_nr, key, sizes: list)");
@@ -429,15 +442,11 @@ static PyObject* metadata(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (node == nullptr || PyErr_Occurred()) {
     return nullptr;
   }
-  if (metadata_key_of(node, nr) != want) {
-    Py_RETURN_FALSE;
+  int r = metadata_check(node, nr, want, args[3]);
+  if (r < 0) {
+    return nullptr;
   }
-  for (const auto& size : node->input_metadata(static_cast<size_t>(nr)).shape_as_dim_vector()) {
-    if (append_int(args[3], *size.maybe_as_int()) < 0) {
-      return nullptr;
-    }
-  }
-  Py_RETURN_TRUE;
+  return PyBool_FromLong(r);
 }
 
 // The key of a strided tensor's metadata as the hit guards compare it:
@@ -469,9 +478,32 @@ static PyObject* tensor_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   return PyLong_FromLongLong(key);
 }
 
-// tensor(x, type, key, values) -> bool: whether x is exactly of `type` (from
-// tensor_key's call) and has `key`; if so its sizes, strides and storage
-// offset are appended to the list `values`.
+// Whether x is exactly of `type` and has the tensor key `want`; if so its
+// sizes, strides and storage offset are appended to the list `values`: 1, 0
+// (not), -1 (error).
+static int tensor_check(PyObject* x, PyObject* type, long long want, PyObject* values) {
+  if (Py_TYPE(x) != reinterpret_cast<PyTypeObject*>(type)) {
+    return 0;
+  }
+  const at::Tensor& t = tensor_of(x);
+  if (tensor_key_of(t) != want) {
+    return 0;
+  }
+  for (int64_t v : t.sizes()) {
+    if (append_int(values, v) < 0) {
+      return -1;
+    }
+  }
+  for (int64_t v : t.strides()) {
+    if (append_int(values, v) < 0) {
+      return -1;
+    }
+  }
+  return append_int(values, t.storage_offset()) < 0 ? -1 : 1;
+}
+
+// tensor(x, type, key, values) -> bool: tensor_check (`type` as tensor_key
+// was called with).
 static PyObject* tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyList_Check(args[3]) || !is_tensor_type(args[1])) {
     PyErr_SetString(PyExc_TypeError, "tensor(x, tensor_type, key, values: list)");
@@ -481,27 +513,11 @@ static PyObject* tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (want == -1 && PyErr_Occurred()) {
     return nullptr;
   }
-  if (Py_TYPE(args[0]) != reinterpret_cast<PyTypeObject*>(args[1])) {
-    Py_RETURN_FALSE;
-  }
-  const at::Tensor& t = tensor_of(args[0]);
-  if (tensor_key_of(t) != want) {
-    Py_RETURN_FALSE;
-  }
-  for (int64_t v : t.sizes()) {
-    if (append_int(args[3], v) < 0) {
-      return nullptr;
-    }
-  }
-  for (int64_t v : t.strides()) {
-    if (append_int(args[3], v) < 0) {
-      return nullptr;
-    }
-  }
-  if (append_int(args[3], t.storage_offset()) < 0) {
+  int r = tensor_check(args[0], args[1], want, args[3]);
+  if (r < 0) {
     return nullptr;
   }
-  Py_RETURN_TRUE;
+  return PyBool_FromLong(r);
 }
 
 // Appends `item` to `values` as an int64 if it is an int: a value a binding
@@ -530,9 +546,28 @@ static int append_int64_of(PyObject* values, PyObject* item) {
   return append_int(values, v) < 0 ? -1 : 1;
 }
 
-// ints(a, n, values) -> bool: whether `a` is a tuple or list of `n` ints; if
-// so they are appended to the list `values` (see append_int64_of). Nothing is
-// appended when it returns False.
+// Whether `a` is a tuple or list of `n` ints; if so they are appended to
+// the list `values` (see append_int64_of); nothing is appended otherwise: 1,
+// 0 (not), -1 (error).
+static int ints_check(PyObject* a, Py_ssize_t n, PyObject* values) {
+  if (!(PyTuple_Check(a) || PyList_Check(a)) || PySequence_Fast_GET_SIZE(a) != n) {
+    return 0;
+  }
+  PyObject** items = PySequence_Fast_ITEMS(a);
+  Py_ssize_t start = PyList_GET_SIZE(values);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int r = append_int64_of(values, items[i]);
+    if (r <= 0) {
+      if (PyList_SetSlice(values, start, PyList_GET_SIZE(values), nullptr) < 0) {
+        return -1;
+      }
+      return r;
+    }
+  }
+  return 1;
+}
+
+// ints(a, n, values) -> bool: ints_check.
 static PyObject* ints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3 || !PyList_Check(args[2])) {
     PyErr_SetString(PyExc_TypeError, "ints(a, n, values: list)");
@@ -542,22 +577,11 @@ static PyObject* ints(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (n == -1 && PyErr_Occurred()) {
     return nullptr;
   }
-  PyObject* a = args[0];
-  if (!(PyTuple_Check(a) || PyList_Check(a)) || PySequence_Fast_GET_SIZE(a) != n) {
-    Py_RETURN_FALSE;
+  int r = ints_check(args[0], n, args[2]);
+  if (r < 0) {
+    return nullptr;
   }
-  PyObject** items = PySequence_Fast_ITEMS(a);
-  Py_ssize_t start = PyList_GET_SIZE(args[2]);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    int r = append_int64_of(args[2], items[i]);
-    if (r <= 0) {
-      if (PyList_SetSlice(args[2], start, PyList_GET_SIZE(args[2]), nullptr) < 0 || r < 0) {
-        return nullptr;
-      }
-      Py_RETURN_FALSE;
-    }
-  }
-  Py_RETURN_TRUE;
+  return PyBool_FromLong(r);
 }
 
 // int_(a, values) -> bool: whether `a` is an int; if so it is appended to the
@@ -618,6 +642,228 @@ static PyObject* order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       }
     }
     prev = seq;
+  }
+  Py_RETURN_TRUE;
+}
+
+// The instructions of collect(), one tuple each: (op, i, ...), where i
+// indexes the node tuple and `name` is the attribute read from node i
+// (cagrad/keys/guard_program.py writes them and documents each).
+enum GuardOp : long {
+  kMetadata = 0,  // (op, i, input_nr, key): metadata_check of input input_nr
+  kTensor = 1,    // (op, i, name, type, key): tensor_check, and appended to the tensors
+  kNone = 2,      // (op, i, name): the attribute is None
+  kInts = 3,      // (op, i, name, n): ints_check
+  kInt = 4,       // (op, i, name): an int, appended (append_int64_of)
+  kIs = 5,        // (op, i, name, obj): the attribute is obj
+  kEq = 6,        // (op, i, name, value): of exactly value's type, and equal
+  kIntSeq = 7,    // (op, i, name, seq): seq's type and length, items exactly int and equal
+  kFloat = 8,     // (op, i, name, value): exactly a float with value's binary64 bits
+  kLeaf = 9,      // (op, i, type, key): node i's variable is a leaf without hooks, and tensor_check
+};
+
+static PyObject* interned(PyObject** slot, const char* text) {
+  if (*slot == nullptr) {
+    *slot = PyUnicode_InternFromString(text);
+  }
+  return *slot;
+}
+
+// getattr(obj, name, None) as a new reference (nullptr: an error other than
+// AttributeError).
+static PyObject* attr_or_none(PyObject* obj, PyObject* name) {
+  PyObject* got = PyObject_GetAttr(obj, name);
+  if (got == nullptr && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+    PyErr_Clear();
+    Py_INCREF(Py_None);
+    return Py_None;
+  }
+  return got;
+}
+
+// kLeaf's leaf and hook part: the variable of the AccumulateGrad node `node`
+// (a new reference) if it has no grad_fn, no tensor hook and no
+// post-accumulate-grad hook; Py_None (new) if it has one; nullptr on error.
+static PyObject* hookless_leaf(PyObject* node) {
+  static PyObject *s_variable, *s_grad_fn, *s_hooks, *s_post;
+  PyObject* v = PyObject_GetAttr(node, interned(&s_variable, "variable"));
+  if (v == nullptr) {
+    return nullptr;
+  }
+  const char* names[] = {"grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks"};
+  PyObject** slots[] = {&s_grad_fn, &s_hooks, &s_post};
+  for (int k = 0; k < 3; ++k) {
+    PyObject* a = k == 2 ? attr_or_none(v, interned(slots[k], names[k]))
+                         : PyObject_GetAttr(v, interned(slots[k], names[k]));
+    if (a == nullptr) {
+      Py_DECREF(v);
+      return nullptr;
+    }
+    int bad = k == 0 ? a != Py_None : PyObject_IsTrue(a);
+    Py_DECREF(a);
+    if (bad != 0) {
+      Py_DECREF(v);
+      if (bad < 0) {
+        return nullptr;
+      }
+      Py_RETURN_NONE;
+    }
+  }
+  return v;
+}
+
+// One instruction against `node`: 1 (holds), 0 (does not), -1 (error).
+static int run_op(PyObject* op, long code, PyObject* node, PyObject* values, PyObject* tensors) {
+  Py_ssize_t size = PyTuple_GET_SIZE(op);
+  if (code < kMetadata || code > kLeaf) {
+    PyErr_Format(PyExc_ValueError, "collect(): unknown instruction %ld", code);
+    return -1;
+  }
+  if (code == kMetadata) {
+    Node* n = node_of(node);
+    if (n == nullptr || size != 4) {
+      if (n != nullptr) {
+        PyErr_SetString(PyExc_ValueError, "collect(): a metadata instruction has 4 items");
+      }
+      return -1;
+    }
+    Py_ssize_t nr = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, 2));
+    long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(op, 3));
+    if (PyErr_Occurred()) {
+      return -1;
+    }
+    return metadata_check(n, nr, want, values);
+  }
+  if (code == kLeaf) {
+    if (size != 4 || !is_tensor_type(PyTuple_GET_ITEM(op, 2))) {
+      PyErr_SetString(PyExc_ValueError, "collect(): a leaf instruction is (op, i, tensor_type, key)");
+      return -1;
+    }
+    long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(op, 3));
+    if (want == -1 && PyErr_Occurred()) {
+      return -1;
+    }
+    PyObject* v = hookless_leaf(node);
+    if (v == nullptr) {
+      return -1;
+    }
+    int r = v == Py_None ? 0 : tensor_check(v, PyTuple_GET_ITEM(op, 2), want, values);
+    Py_DECREF(v);
+    return r;
+  }
+  Py_ssize_t want_size = code == kTensor ? 5 : (code == kNone || code == kInt) ? 3 : 4;
+  if (size != want_size) {
+    PyErr_Format(PyExc_ValueError, "collect(): instruction %ld has %zd items", code, size);
+    return -1;
+  }
+  PyObject* a = PyObject_GetAttr(node, PyTuple_GET_ITEM(op, 2));
+  if (a == nullptr) {
+    return -1;
+  }
+  int r = -1;
+  switch (code) {
+    case kTensor: {
+      PyObject* type = PyTuple_GET_ITEM(op, 3);
+      long long want = PyLong_AsLongLong(PyTuple_GET_ITEM(op, 4));
+      if (!is_tensor_type(type)) {
+        PyErr_SetString(PyExc_ValueError, "collect(): a tensor instruction's type is not a tensor type");
+      } else if (!(want == -1 && PyErr_Occurred())) {
+        r = a == Py_None ? 0 : tensor_check(a, type, want, values);
+        if (r == 1 && PyList_Append(tensors, a) < 0) {
+          r = -1;
+        }
+      }
+      break;
+    }
+    case kNone:
+      r = a == Py_None;
+      break;
+    case kInts: {
+      Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, 3));
+      if (!(n == -1 && PyErr_Occurred())) {
+        r = ints_check(a, n, values);
+      }
+      break;
+    }
+    case kInt:
+      r = append_int64_of(values, a);
+      break;
+    case kIs:
+      r = a == PyTuple_GET_ITEM(op, 3);
+      break;
+    case kEq: {
+      PyObject* want = PyTuple_GET_ITEM(op, 3);
+      r = Py_TYPE(a) == Py_TYPE(want) ? PyObject_RichCompareBool(a, want, Py_EQ) : 0;
+      break;
+    }
+    case kIntSeq: {
+      PyObject* want = PyTuple_GET_ITEM(op, 3);
+      if (!(PyTuple_CheckExact(want) || PyList_CheckExact(want))) {
+        PyErr_SetString(PyExc_ValueError, "collect(): an int sequence instruction's value is not a tuple or list");
+        break;
+      }
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(want);
+      r = Py_TYPE(a) == Py_TYPE(want) && PySequence_Fast_GET_SIZE(a) == n;
+      for (Py_ssize_t k = 0; r == 1 && k < n; ++k) {
+        PyObject* item = PySequence_Fast_ITEMS(a)[k];
+        r = PyLong_CheckExact(item) ? PyObject_RichCompareBool(item, PySequence_Fast_ITEMS(want)[k], Py_EQ) : 0;
+      }
+      break;
+    }
+    case kFloat: {
+      PyObject* want = PyTuple_GET_ITEM(op, 3);
+      if (!PyFloat_CheckExact(want)) {
+        PyErr_SetString(PyExc_ValueError, "collect(): a float instruction's value is not a float");
+        break;
+      }
+      double x = PyFloat_CheckExact(a) ? PyFloat_AS_DOUBLE(a) : 0.0;
+      double y = PyFloat_AS_DOUBLE(want);
+      r = PyFloat_CheckExact(a) && std::memcmp(&x, &y, sizeof(double)) == 0;
+      break;
+    }
+    default:
+      break;
+  }
+  Py_DECREF(a);
+  return r;
+}
+
+// collect(nodes, program, values, tensors) -> bool: runs the instructions of
+// `program` (a tuple of tuples, see GuardOp) in order against the tuple
+// `nodes`, appending size values to the list `values` and lifted tensors to
+// the list `tensors` as they go; False at the first that does not hold (what
+// was appended stays). One call where a hit guard ran a line of Python per
+// instruction.
+static PyObject* collect(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1]) || !PyList_Check(args[2]) ||
+      !PyList_Check(args[3])) {
+    PyErr_SetString(PyExc_TypeError, "collect(nodes: tuple, program: tuple, values: list, tensors: list)");
+    return nullptr;
+  }
+  PyObject* nodes = args[0];
+  PyObject* program = args[1];
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(program); ++k) {
+    PyObject* op = PyTuple_GET_ITEM(program, k);
+    if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 2) {
+      PyErr_SetString(PyExc_ValueError, "collect(): an instruction is a tuple (op, node index, ...)");
+      return nullptr;
+    }
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(op, 0));
+    Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, 1));
+    if (PyErr_Occurred()) {
+      return nullptr;
+    }
+    if (i < 0 || i >= PyTuple_GET_SIZE(nodes) || PyTuple_GET_ITEM(nodes, i) == Py_None) {
+      PyErr_Format(PyExc_ValueError, "collect(): instruction %zd names no node (index %zd)", k, i);
+      return nullptr;
+    }
+    int r = run_op(op, code, PyTuple_GET_ITEM(nodes, i), args[2], args[3]);
+    if (r < 0) {
+      return nullptr;
+    }
+    if (r == 0) {
+      Py_RETURN_FALSE;
+    }
   }
   Py_RETURN_TRUE;
 }
@@ -960,6 +1206,7 @@ static PyMethodDef methods[] = {
     {"hookless", hookless, METH_O, nullptr},
     {"device_frees", device_frees, METH_O, nullptr},
     {"sole", sole, METH_O, nullptr},
+    {"collect", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(collect)), METH_FASTCALL, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};

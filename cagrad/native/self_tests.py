@@ -167,6 +167,69 @@ def _order(order: Any) -> None:
         raise RuntimeError("order() accepts one node twice")
 
 
+def collect(collect: Any, readers: Any) -> None:
+    """``collect(nodes, program, values, tensors)`` agrees with
+    :func:`cagrad.native.guard_program.run` (the Python of each instruction,
+    through the single readers ``readers``) on a program that holds, and on
+    each instruction changed so that it fails, and on a leaf with a hook."""
+    from . import guard_program as gp
+
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.randn(2, 3, 4, 4, requires_grad=True)
+        w = torch.nn.Parameter(torch.randn(3))
+        bn = torch.nn.functional.batch_norm(x, None, None, w, None, training=True).grad_fn
+        pool = torch.nn.functional.max_pool2d(x, 2).grad_fn
+        gelu = torch.nn.functional.gelu(x, approximate="tanh").grad_fn
+        mean = x.mean().grad_fn
+    leaf = bn.next_functions[0][0]
+    nodes = (bn, pool, gelu, mean, leaf)
+    tensor_type, param_type = type(x), type(w)
+    program = [
+        (gp.METADATA, 0, 0, readers.metadata_key(bn, 0)),
+        (gp.TENSOR, 0, "_saved_input", tensor_type, readers.tensor_key(x, tensor_type)),
+        (gp.TENSOR, 0, "_saved_weight", param_type, readers.tensor_key(w, param_type)),
+        (gp.NONE, 0, "_saved_running_mean"),
+        (gp.IS, 0, "_saved_training", True),
+        (gp.FLOAT, 0, "_saved_eps", 1e-5),
+        (gp.INT_SEQ, 1, "_saved_kernel_size", (2, 2)),
+        (gp.IS, 1, "_saved_ceil_mode", False),
+        (gp.EQ, 2, "_saved_approximate", "tanh"),
+        (gp.INT, 3, "_saved_self_sym_numel"),
+        (gp.INTS, 3, "_saved_self_sym_sizes", 4),
+        (gp.LEAF, 4, tensor_type, readers.tensor_key(x, tensor_type)),
+    ]
+    wrong = {
+        gp.METADATA: lambda op: (*op[:3], op[3] ^ 1),
+        gp.TENSOR: lambda op: (*op[:4], op[4] ^ 1),
+        gp.NONE: lambda op: (op[0], op[1], "_saved_input"),
+        gp.IS: lambda op: (*op[:3], not op[3]),
+        gp.FLOAT: lambda op: (*op[:3], -op[3]),
+        gp.INT_SEQ: lambda op: (*op[:3], [2, 2]),
+        gp.EQ: lambda op: (*op[:3], "none"),
+        gp.INT: lambda op: (op[0], op[1], "_saved_self_sym_sizes"),
+        gp.INTS: lambda op: (*op[:3], 3),
+        gp.LEAF: lambda op: (op[0], op[1], param_type, op[3]),
+    }
+    variants = [program] + [program[:k] + [wrong[op[0]](op)] + program[k + 1 :] for k, op in enumerate(program)]
+    with torch.inference_mode(False), torch.enable_grad():
+        hooked = torch.ones(2, requires_grad=True)
+        hooked.register_hook(lambda g: g)
+        hooked_leaf = hooked.exp().grad_fn.next_functions[0][0]
+    cases = [(nodes, tuple(p)) for p in variants]
+    cases.append(((hooked_leaf,), ((gp.LEAF, 0, tensor_type, readers.tensor_key(hooked, tensor_type)),)))
+    for k, (ns, prog) in enumerate(cases):
+        got_v: list = []
+        got_t: list = []
+        want_v: list = []
+        want_t: list = []
+        got = collect(ns, prog, got_v, got_t)
+        want = gp.run(ns, prog, want_v, want_t, readers)
+        if got is not want or (want and (got_v != want_v or [id(t) for t in got_t] != [id(t) for t in want_t])):
+            raise RuntimeError(f"collect() of program {k} gives {got}, {got_v} where Python gives {want}, {want_v}")
+        if (k == 0) is not want:
+            raise RuntimeError(f"program {k} {'fails' if k == 0 else 'holds'} in Python")
+
+
 def reclaim(reclaim: Any) -> None:
     """Dead aliases are left alone; a live one is moved to new memory with its
     values; one with a view of it outside the lists stops the reclaim."""

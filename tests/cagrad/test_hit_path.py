@@ -14,14 +14,21 @@ import torch
 import torch.nn as nn
 
 import cagrad
-from cagrad import engine
+from cagrad import engine, native
 
 from ..models import loss_fn, mlp
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
+@pytest.fixture(autouse=True, params=["program", "lines"])
+def checks(request, monkeypatch):
+    """Each test twice: the guards' per-node checks as one C++ program call
+    (cagrad.native.guard_program), and as a Python line each (no C++ runner)."""
     gc.collect()  # graphs with node hooks that earlier tests left in cycles
+    if request.param == "lines":
+        monkeypatch.setattr(native, "collect_fn", lambda: None)
+    elif native.collect_fn() is None:
+        pytest.skip("the C++ extension cannot be built here (no compiler)")
+    return request.param
 
 
 def _grads(fn, params, compiled, **enable):
@@ -238,7 +245,7 @@ def test_a_saved_tensor_modified_in_place_raises_eagers_error():
             z.sum().backward()
 
 
-def test_the_guard_source_is_logged(caplog):
+def test_the_guard_source_is_logged(caplog, checks):
     x = torch.randn(3, requires_grad=True)
     cagrad.set_logs(guards=True)
     try:
@@ -248,7 +255,12 @@ def test_the_guard_source_is_logged(caplog):
         cagrad.set_logs()
     text = caplog.text
     assert "def guard(roots, grads, counts):" in text
-    assert "x = n1._saved_self" in text  # SinBackward0's saved input, lifted
+    # SinBackward0's saved input, lifted: an instruction of the program
+    # (listed), or a line of Python
+    if checks == "program":
+        assert "# n1._saved_self: Tensor key=" in text and "if not _collect(N, " in text
+    else:
+        assert "x = n1._saved_self" in text and "_collect" not in text
 
 
 def test_verification_catches_a_guard_that_lifts_the_wrong_tensors(monkeypatch):

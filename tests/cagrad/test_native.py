@@ -36,7 +36,48 @@ def test_every_function_passes_its_self_test(built):
     """A reader or the accumulation that failed its self-test would be
     switched off with a warning; on this torch none may be."""
     assert native.metadata_fns() is not None
+    assert native.collect_fn() is not None
     assert accumulate._native_fns() is not None
+
+
+def test_collects_self_test_rejects_a_runner_that_disagrees(built):
+    from cagrad.native import self_tests
+
+    readers = native.metadata_fns()
+    with pytest.raises(RuntimeError, match="collect"):
+        self_tests.collect(lambda nodes, program, values, tensors: True, readers)
+
+    def skips_leaves(nodes, program, values, tensors):
+        return native.collect_fn()(nodes, tuple(op for op in program if op[0] != 9), values, tensors)
+
+    with pytest.raises(RuntimeError, match="collect"):
+        self_tests.collect(skips_leaves, readers)
+
+
+def test_collect_says_which_instruction_is_malformed(built):
+    from cagrad.native import guard_program as gp
+
+    collect = native.collect_fn()
+    x = torch.randn(3, requires_grad=True)
+    node = x.exp().grad_fn
+    values: list = []
+    cases = [
+        ((gp.NONE, 1, "_saved_result"), "names no node"),
+        ((gp.NONE, 0), "has 2 items"),
+        ((gp.TENSOR, 0, "_saved_result", int, 0), "not a tensor type"),
+        ((42, 0, "_saved_result"), "unknown instruction 42"),
+        ((gp.FLOAT, 0, "_saved_result", 1), "not a float"),
+    ]
+    for op, message in cases:
+        with pytest.raises(ValueError, match=message):
+            collect((node,), (op,), values, [])
+    with pytest.raises(TypeError, match="collect"):
+        collect([node], (), values, [])
+    # an attribute that raises propagates: the guard counts it a miss
+    y = x.exp()
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="freed"):
+        collect((y.grad_fn,), ((gp.TENSOR, 0, "_saved_result", torch.Tensor, 0),), values, [])
 
 
 def _leaf(kind: str) -> torch.Tensor:
