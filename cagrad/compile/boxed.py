@@ -104,8 +104,8 @@ def compile_boxed(
     """
     if name == "eager":
         # its forward, as Dynamo's eager backend returns: a call to the module
-        # itself runs nn.Module's hook dispatch and FX's traceback wrapper,
-        # about 8 us a call (a DDP backward makes one per segment)
+        # itself runs nn.Module's hook dispatch and FX's traceback wrapper:
+        # 3.0 against 1.8 us a call, warm (a DDP backward makes one per segment)
         return boxed_graph_module(gm).forward, True
     if name in BOXED_BACKENDS:
         from torch._dynamo.utils import GmWrapper

@@ -438,7 +438,8 @@ class _Generator:
         name = self.var[target.id]
         key = self.readers.metadata_key(target.node, input_nr) if self.readers is not None else None
         note = f"{md.dtype}, {md.device}, rank {len(md.shape)}"
-        if key is not None and self._op((guard_program.METADATA, self.pos_of[target.id], input_nr, key), note):
+        pos = self.pos_of.get(target.id)
+        if key is not None and pos is not None and self._op((guard_program.METADATA, pos, input_nr, key), note):
             return
         if key is not None:  # dtype, device and rank packed; sizes appended to V
             self.fail_if(f"not _md({name}, {input_nr}, {key}, V)  # {md.dtype}, {md.device}, rank {len(md.shape)}")
