@@ -249,6 +249,10 @@ class _Generator:
         self.collect = native.collect_fn() if self.readers is not None else None
         if self.collect is not None:
             self.consts["_collect"] = self.collect
+        # the C++ structure check along the captured walk, or None
+        self.walk = native.walk_fn()
+        if self.walk is not None:
+            self.consts["_walk"] = self.walk
         self.ops: list[tuple[tuple, str]] = []  # instructions not yet emitted, each with its comment
         self.pos_of = {c.id: pos for pos, c in enumerate(self.task.order)}
         self.var: dict[int, str] = {}  # discovery id -> local name
@@ -324,44 +328,32 @@ class _Generator:
             self.emit(f"{name} = t.grad_fn")
             self.fail_if(f"type({name}) is not {self.const(type(fn))}  # {type(fn).__name__}")
             order.append(fn)
-        # the walk of GraphTask._discover: a stack, popped last first. Each
-        # node's edges are unpacked in one statement (a ValueError, from
-        # another edge count, is a miss: HitGuard.__call__), then their input
-        # numbers, absent edges, the known nodes' identity and the new
-        # nodes' types are compared in one condition
+        # the walk of GraphTask._discover: a stack, popped last first; each
+        # step is (source, [(target name or None, input_nr, new target or None)])
+        steps: list[tuple[str, list[tuple[str | None, int, Any]]]] = []
+        starts = [self.var[task.call_of[fn].id] for fn in order]
         stack = list(order)
         seen = {task.call_of[fn].id for fn in order}
         while stack:
             fn = stack.pop()
-            src = self.var[task.call_of[fn].id]
-            edges = task.call_of[fn].edges
-            if not edges:
-                self.fail_if(f"{src}.next_functions")
-                continue
-            targets, numbers, new_names, new_nodes, same, absent = [], [], [], [], [], []
-            for k, (nxt, input_nr) in enumerate(edges):
+            edges = []
+            for nxt, input_nr in task.call_of[fn].edges:
                 if nxt is None:
-                    targets.append(f"(u{k}, _)")
-                    absent.append(f"u{k} is not None")
+                    edges.append((None, input_nr, None))
                     continue
                 cid = task.call_of[nxt].id
-                if cid in self.var:
-                    targets.append(f"(u{k}, i{k})")
-                    same.append(f"u{k} is not {self.var[cid]}")
-                else:
-                    name = self.var[cid] = f"n{cid}"
-                    targets.append(f"({name}, i{k})")
-                    new_names.append(name)
-                    new_nodes.append(nxt)
-                numbers.append((f"i{k}", input_nr))
+                new = cid not in self.var
+                if new:
+                    self.var[cid] = f"n{cid}"
+                edges.append((self.var[cid], input_nr, nxt if new else None))
                 if cid not in seen:
                     seen.add(cid)
                     stack.append(nxt)
-            self.emit(", ".join(targets) + f", = {src}.next_functions")
-            conds = [f"{v} != {nr}" for v, nr in numbers] + absent + same
-            conds += [f"type({n}) is not {self.const(type(x))}" for n, x in zip(new_names, new_nodes)]
-            if conds:
-                self.fail_if(" or ".join(conds) + "  # " + ", ".join(type(x).__name__ for x in new_nodes))
+            steps.append((self.var[task.call_of[fn].id], edges))
+        if self.walk is not None:
+            self._walk_steps(starts, steps)
+        else:
+            self._unpack_steps(steps)
         real = [c for c in task.calls if c.node is not None]
         if self.readers is not None:
             return  # distinct objects: checked by _order in _run_order
@@ -369,6 +361,57 @@ class _Generator:
         self.emit(f"N = ({names},)")
         # distinct objects: two captured nodes must not be one node now
         self.fail_if(f"len(set(map(id, N))) != {len(real)}")
+
+    def _walk_steps(self, starts: list[str], steps: list) -> None:
+        """The structure check as one C++ ``walk`` call (its steps listed as
+        comments), then the discovered nodes unpacked into their names."""
+        index = {name: i for i, name in enumerate(starts)}
+        program = []
+        for src, edges in steps:
+            specs: list[tuple] = []
+            text = []
+            for name, input_nr, new in edges:
+                if name is None:
+                    specs.append(())
+                    text.append("none")
+                    continue
+                if new is not None:
+                    index[name] = len(index)
+                    specs.append((index[name], input_nr, type(new)))
+                    text.append(f"{name} ({type(new).__name__}, input {input_nr})")
+                else:
+                    specs.append((index[name], input_nr))
+                    text.append(f"{name} again (input {input_nr})")
+            program.append((index[src], tuple(specs)))
+            self.lines.append(f"    # {src} -> " + (", ".join(text) if text else "no edges"))
+        names = sorted(index, key=index.__getitem__)
+        self.emit(f"D = _walk(({', '.join(starts)},), {self.const(tuple(program))}, {len(names)})")
+        self.fail_if("D is None")
+        self.emit(", ".join(names) + ", = D")
+
+    def _unpack_steps(self, steps: list) -> None:
+        """The structure check in Python: each node's edges unpacked in one
+        statement (a ValueError, from another edge count, is a miss:
+        HitGuard.__call__), then their input numbers, absent edges, the known
+        nodes' identity and the new nodes' types compared in one condition."""
+        for src, edges in steps:
+            if not edges:
+                self.fail_if(f"{src}.next_functions")
+                continue
+            targets, conds, new_nodes = [], [], []
+            for k, (name, input_nr, new) in enumerate(edges):
+                if name is None:
+                    targets.append(f"(u{k}, _)")
+                    conds.append(f"u{k} is not None")
+                elif new is None:
+                    targets.append(f"(u{k}, i{k})")
+                    conds += [f"i{k} != {input_nr}", f"u{k} is not {name}"]
+                else:
+                    targets.append(f"({name}, i{k})")
+                    conds += [f"i{k} != {input_nr}", f"type({name}) is not {self.const(type(new))}"]
+                    new_nodes.append(new)
+            self.emit(", ".join(targets) + f", = {src}.next_functions")
+            self.fail_if(" or ".join(conds) + "  # " + ", ".join(type(x).__name__ for x in new_nodes))
 
     def _run_order(self) -> None:
         # the ready queue compares sequence numbers only: the same order of

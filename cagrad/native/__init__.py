@@ -22,6 +22,8 @@ on first need) provides:
   moved to new memory (:func:`reclaim_fn`); ``device_frees(device)``: how
   often the CUDA caching allocator has given memory back to the driver
   (:func:`device_frees_fn`, for a CUDA graph's early replay);
+* ``walk(starts, steps, count)``: a hit guard's structure check along the
+  captured dependency walk, in one call (:func:`walk_fn`);
 * ``collect(nodes, program, values, tensors)``: a hit guard's checks of
   every node's attributes and metadata, as a program
   (:mod:`cagrad.native.guard_program`), in one call (:func:`collect_fn`);
@@ -86,6 +88,7 @@ class Native:
     device_frees: Callable[[int], int] | None = None
     sole: Callable[[list], bool] | None = None
     collect: Callable[[tuple, tuple, list, list], bool] | None = None
+    walk: Callable[[tuple, tuple, int], tuple | None] | None = None
 
 
 _lock = threading.Lock()
@@ -155,9 +158,15 @@ def _load() -> Native | None:
             collect = module.collect
         except Exception as e:  # noqa: BLE001  (guards check each attribute in a Python line then)
             log.warning("cagrad's C++ collect() failed its self-test (%s); hit guards check in Python", str(e))
+    walk = None
+    try:
+        self_tests.walk(module.walk)
+        walk = module.walk
+    except Exception as e:  # noqa: BLE001  (guards unpack next_functions in Python then)
+        log.warning("cagrad's C++ walk() failed its self-test (%s); hit guards walk the graph in Python", str(e))
     return Native(
         module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim, hookless,
-        module.device_frees, sole, collect,
+        module.device_frees, sole, collect, walk,
     )
 
 
@@ -190,6 +199,26 @@ def collect_fn() -> Callable[[tuple, tuple, list, list], bool] | None:
     """
     native = load()
     return native.collect if native is not None else None
+
+
+def walk_fn() -> Callable[[tuple, tuple, int], tuple | None] | None:
+    """The C++ ``walk(starts, steps, count) -> tuple | None``, or None if
+    unavailable (then the hit guards unpack each node's ``next_functions``).
+
+    A hit guard's structure check: from the nodes ``starts``, along
+    ``steps`` (:mod:`cagrad.native.guard_program` gives their form and their
+    Python), comparing each node's edge count, input numbers, absent edges,
+    the identity of nodes reached again and the type of new ones; returns
+    the discovered nodes' Python objects by index, or None where the graph
+    differs.
+
+    Raises (the returned function):
+        TypeError: arguments of other types.
+        ValueError: malformed steps.
+        RuntimeError: a node without a Python object.
+    """
+    native = load()
+    return native.walk if native is not None else None
 
 
 def metadata_fns() -> MetadataReaders | None:

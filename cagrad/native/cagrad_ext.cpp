@@ -74,6 +74,7 @@ static PyObject* init(PyObject*, PyObject*) {
 #else
 namespace torch::autograd {
 bool THPCppFunction_Check(PyObject* obj);
+PyObject* functionToPyObject(const c10::intrusive_ptr<Node>& cdata);
 }
 
 static_assert(std::is_base_of_v<c10::intrusive_ptr_target, Node>);
@@ -646,6 +647,124 @@ static PyObject* order(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// walk(starts, steps, count) -> tuple or None: a hit guard's structure
+// check, from the nodes `starts` (a tuple: the roots' grad_fns), along
+// `steps`, in the order the capture's dependency walk discovered the nodes.
+// steps[k] is (src, edges): node `src` (an index into the discovered nodes)
+// has exactly len(edges) next edges, edge j as edges[j] says: () no
+// function; (i, input_nr) the node discovered as i, reached at input_nr;
+// (i, input_nr, type) a node discovered here as i (the next index), whose
+// Python object is exactly of `type`. Returns the `count` discovered nodes'
+// Python objects by index, or None where the graph differs. One call where
+// a guard unpacked each node's next_functions (a tuple of tuples per node)
+// in Python.
+static PyObject* walk(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "walk(starts: tuple, steps: tuple, count: int)");
+    return nullptr;
+  }
+  Py_ssize_t count = PyLong_AsSsize_t(args[2]);
+  Py_ssize_t n_starts = PyTuple_GET_SIZE(args[0]);
+  if (count == -1 && PyErr_Occurred()) {
+    return nullptr;
+  }
+  if (count < n_starts) {
+    PyErr_SetString(PyExc_ValueError, "walk(): count is below the number of starts");
+    return nullptr;
+  }
+  PyObject* found = PyTuple_New(count);
+  if (found == nullptr) {
+    return nullptr;
+  }
+  std::vector<Node*> nodes(static_cast<size_t>(count), nullptr);
+  for (Py_ssize_t i = 0; i < n_starts; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(args[0], i);
+    nodes[i] = node_of(obj);
+    if (nodes[i] == nullptr) {
+      Py_DECREF(found);
+      return nullptr;
+    }
+    Py_INCREF(obj);
+    PyTuple_SET_ITEM(found, i, obj);
+  }
+  Py_ssize_t next_new = n_starts;
+  auto fail = [&](const char* why) -> PyObject* {
+    Py_DECREF(found);
+    if (why != nullptr) {
+      PyErr_SetString(PyExc_ValueError, why);
+      return nullptr;
+    }
+    Py_RETURN_NONE;
+  };
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(args[1]); ++k) {
+    PyObject* step = PyTuple_GET_ITEM(args[1], k);
+    if (!PyTuple_Check(step) || PyTuple_GET_SIZE(step) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(step, 1))) {
+      return fail("walk(): a step is (src, edges: tuple)");
+    }
+    Py_ssize_t src = PyLong_AsSsize_t(PyTuple_GET_ITEM(step, 0));
+    if (src < 0 || src >= next_new) {
+      return fail(PyErr_Occurred() ? "walk(): a step's src is not an int" : "walk(): a step's src is not discovered yet");
+    }
+    PyObject* edges = PyTuple_GET_ITEM(step, 1);
+    const auto& next = nodes[src]->next_edges();
+    if (static_cast<Py_ssize_t>(next.size()) != PyTuple_GET_SIZE(edges)) {
+      return fail(nullptr);
+    }
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(edges); ++j) {
+      PyObject* spec = PyTuple_GET_ITEM(edges, j);
+      Py_ssize_t size = PyTuple_Check(spec) ? PyTuple_GET_SIZE(spec) : -1;
+      const auto& edge = next[j];
+      if (size == 0) {
+        if (edge.is_valid()) {
+          return fail(nullptr);
+        }
+        continue;
+      }
+      if (size != 2 && size != 3) {
+        return fail("walk(): an edge is (), (i, input_nr) or (i, input_nr, type)");
+      }
+      Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 0));
+      long long input_nr = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, 1));
+      if (PyErr_Occurred()) {
+        return fail("walk(): an edge's index or input number is not an int");
+      }
+      if (!edge.is_valid() || static_cast<long long>(edge.input_nr) != input_nr) {
+        return fail(nullptr);
+      }
+      if (size == 2) {
+        if (i < 0 || i >= next_new) {
+          return fail("walk(): an edge names a node not discovered yet");
+        }
+        if (edge.function.get() != nodes[i]) {
+          return fail(nullptr);
+        }
+        continue;
+      }
+      if (i != next_new || i >= count) {
+        return fail("walk(): a new node's index is not the next one");
+      }
+      PyObject* obj = torch::autograd::functionToPyObject(edge.function);
+      if (obj == nullptr) {
+        Py_DECREF(found);
+        if (!PyErr_Occurred()) {
+          PyErr_SetString(PyExc_RuntimeError, "walk(): no Python object for a node");
+        }
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(found, i, obj);  // the new reference functionToPyObject returned
+      nodes[i] = edge.function.get();
+      ++next_new;
+      if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != PyTuple_GET_ITEM(spec, 2)) {
+        return fail(nullptr);
+      }
+    }
+  }
+  if (next_new != count) {
+    return fail("walk(): the steps discover fewer nodes than count");
+  }
+  return found;
+}
+
 // The instructions of collect(), one tuple each: (op, i, ...), where i
 // indexes the node tuple and `name` is the attribute read from node i
 // (cagrad/keys/guard_program.py writes them and documents each).
@@ -1207,6 +1326,7 @@ static PyMethodDef methods[] = {
     {"device_frees", device_frees, METH_O, nullptr},
     {"sole", sole, METH_O, nullptr},
     {"collect", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(collect)), METH_FASTCALL, nullptr},
+    {"walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(walk)), METH_FASTCALL, nullptr},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef module = {PyModuleDef_HEAD_INIT, "MODULE_NAME", nullptr, -1, methods};

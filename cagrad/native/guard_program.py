@@ -1,5 +1,14 @@
-"""The instruction set of the extension's ``collect(nodes, program, values,
-tensors)``: a hit guard's per-node checks as data, run in one C++ call.
+"""The instruction sets of the extension's ``walk(starts, steps, count)``
+and ``collect(nodes, program, values, tensors)``: a hit guard's structure
+check and per-node checks as data, each run in one C++ call.
+
+``walk``'s steps follow the capture's dependency walk: ``steps[k]`` is
+``(src, edges)``, node ``src`` (an index into the nodes discovered so far,
+``starts`` first) has exactly ``len(edges)`` next edges, and edge ``j`` is
+``()`` (no function), ``(i, input_nr)`` (the node discovered as ``i``, by
+identity) or ``(i, input_nr, type)`` (a node discovered here as ``i``, the
+next index, whose Python object is exactly of ``type``). :func:`walk` is
+its Python.
 
 A hit guard (:mod:`cagrad.keys.hit_path`) compares, node by node, what the
 graph's CacheKeys depend on and appends the size values and lifted tensors
@@ -51,6 +60,43 @@ from typing import Any
 METADATA, TENSOR, NONE, INTS, INT, IS, EQ, INT_SEQ, FLOAT, LEAF = range(10)
 
 _pack_d = struct.Struct("<d").pack
+
+
+def walk(starts: tuple, steps: Sequence[tuple], count: int) -> tuple | None:
+    """``walk``'s semantics in Python, through ``next_functions``: the
+    ``count`` discovered nodes by index, or None where the graph differs.
+
+    Raises:
+        ValueError: malformed steps.
+    """
+    found: list[Any] = list(starts) + [None] * (count - len(starts))
+    discovered = len(starts)
+    for src, edges in steps:
+        if not 0 <= src < discovered:
+            raise ValueError("walk(): a step's src is not discovered yet")
+        nxt = found[src].next_functions
+        if len(nxt) != len(edges):
+            return None
+        for (fn, input_nr), spec in zip(nxt, edges):
+            if not spec:
+                if fn is not None:
+                    return None
+                continue
+            if fn is None or input_nr != spec[1]:
+                return None
+            if len(spec) == 2:
+                if fn is not found[spec[0]]:
+                    return None
+                continue
+            if spec[0] != discovered:
+                raise ValueError("walk(): a new node's index is not the next one")
+            found[spec[0]] = fn
+            discovered += 1
+            if type(fn) is not spec[2]:
+                return None
+    if discovered != count:
+        raise ValueError("walk(): the steps discover fewer nodes than count")
+    return tuple(found)
 
 
 def run(nodes: tuple, program: Sequence[tuple], values: list, tensors: list, readers: Any) -> bool:

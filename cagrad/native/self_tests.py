@@ -230,6 +230,49 @@ def collect(collect: Any, readers: Any) -> None:
             raise RuntimeError(f"program {k} {'fails' if k == 0 else 'holds'} in Python")
 
 
+def walk(walk: Any) -> None:
+    """``walk(starts, steps, count)`` agrees with
+    :func:`cagrad.native.guard_program.walk` (``next_functions``) on a graph
+    with an absent edge and a node reached twice, and on each step changed
+    so that the graph differs."""
+    from . import guard_program as gp
+
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.randn(3, requires_grad=True)
+        s = x.sin()
+        loss = (s * s.detach() + s).sum()
+    root = loss.grad_fn  # SumBackward0 <- AddBackward0 <- (MulBackward0, SinBackward0)
+    add = root.next_functions[0][0]
+    mul, sin = add.next_functions[0][0], add.next_functions[1][0]
+    acc = sin.next_functions[0][0]
+    if mul.next_functions[0][0] is not sin or mul.next_functions[1][0] is not None:
+        raise RuntimeError("walk()'s self-test graph is not the one it expects")
+    steps = [
+        (0, ((1, 0, type(add)),)),
+        (1, ((2, 0, type(mul)), (3, 0, type(sin)))),
+        (2, ((3, 0), ())),
+        (3, ((4, 0, type(acc)),)),
+        (4, ()),
+    ]
+    wrong = [
+        (0, ((1, 1, type(add)),)),
+        (1, ((2, 0, type(sin)), (3, 0, type(sin)))),
+        (2, ((2, 0), ())),
+        (3, ((4, 0, type(acc)), ())),
+        (4, ((), )),
+    ]
+    cases = [tuple(steps)] + [tuple(steps[:k] + [w] + steps[k + 1 :]) for k, w in enumerate(wrong)]
+    for k, program in enumerate(cases):
+        got = walk((root,), program, 5)
+        want = gp.walk((root,), program, 5)
+        if (got is None) != (want is None) or (want is not None and any(a is not b for a, b in zip(got, want))):
+            raise RuntimeError(f"walk() of steps {k} gives {got} where next_functions give {want}")
+        if (k == 0) is (want is None):
+            raise RuntimeError(f"steps {k} {'fail' if k == 0 else 'hold'} through next_functions")
+    if walk((root,), tuple(steps), 5)[4] is not acc:
+        raise RuntimeError("walk() returns another object for AccumulateGrad")
+
+
 def reclaim(reclaim: Any) -> None:
     """Dead aliases are left alone; a live one is moved to new memory with its
     values; one with a view of it outside the lists stops the reclaim."""

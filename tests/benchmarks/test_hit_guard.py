@@ -1,5 +1,6 @@
-"""One hit guard's call on a fresh graph: its per-node checks run as one C++
-program call (:mod:`cagrad.native.guard_program`) against a Python line each.
+"""One hit guard's call on a fresh graph: its structure walk and per-node
+checks as one C++ call each (:mod:`cagrad.native.guard_program`) against
+Python lines.
 
 Run with ``tox -e bench -- -k hit_guard``. Each round builds a new forward
 graph in ``setup`` (not timed) and times the guard alone (the structure walk,
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.benchmark
 def test_hit_guard(benchmark, monkeypatch, workload, checks):
     if checks == "lines":
         monkeypatch.setattr(native, "collect_fn", lambda: None)
-    elif native.collect_fn() is None:
+        monkeypatch.setattr(native, "walk_fn", lambda: None)
+    elif native.collect_fn() is None or native.walk_fn() is None:
         pytest.skip("the C++ extension cannot be built here (no compiler)")
     torch.manual_seed(0)
     wl = workloads.WORKLOADS[workload]("cpu")

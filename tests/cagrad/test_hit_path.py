@@ -21,12 +21,14 @@ from ..models import loss_fn, mlp
 
 @pytest.fixture(autouse=True, params=["program", "lines"])
 def checks(request, monkeypatch):
-    """Each test twice: the guards' per-node checks as one C++ program call
-    (cagrad.native.guard_program), and as a Python line each (no C++ runner)."""
+    """Each test twice: the guards' structure walk and per-node checks as one
+    C++ call each (cagrad.native.guard_program), and as Python lines (no C++
+    walk or runner)."""
     gc.collect()  # graphs with node hooks that earlier tests left in cycles
     if request.param == "lines":
         monkeypatch.setattr(native, "collect_fn", lambda: None)
-    elif native.collect_fn() is None:
+        monkeypatch.setattr(native, "walk_fn", lambda: None)
+    elif native.collect_fn() is None or native.walk_fn() is None:
         pytest.skip("the C++ extension cannot be built here (no compiler)")
     return request.param
 
@@ -259,8 +261,10 @@ def test_the_guard_source_is_logged(caplog, checks):
     # (listed), or a line of Python
     if checks == "program":
         assert "# n1._saved_self: Tensor key=" in text and "if not _collect(N, " in text
+        assert "# n0 -> n1 (SinBackward0, input 0)" in text and "= _walk((n0,), " in text
     else:
         assert "x = n1._saved_self" in text and "_collect" not in text
+        assert "= n0.next_functions" in text and "_walk" not in text
 
 
 def test_verification_catches_a_guard_that_lifts_the_wrong_tensors(monkeypatch):

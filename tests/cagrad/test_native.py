@@ -37,6 +37,7 @@ def test_every_function_passes_its_self_test(built):
     switched off with a warning; on this torch none may be."""
     assert native.metadata_fns() is not None
     assert native.collect_fn() is not None
+    assert native.walk_fn() is not None
     assert accumulate._native_fns() is not None
 
 
@@ -52,6 +53,58 @@ def test_collects_self_test_rejects_a_runner_that_disagrees(built):
 
     with pytest.raises(RuntimeError, match="collect"):
         self_tests.collect(skips_leaves, readers)
+
+
+def test_walks_self_test_rejects_a_walk_that_disagrees(built):
+    from cagrad.native import guard_program as gp
+    from cagrad.native import self_tests
+
+    def untyped(starts, steps, count):  # new nodes' types not compared
+        found = list(starts) + [None] * (count - len(starts))
+        for src, edges in steps:
+            nxt = found[src].next_functions
+            if len(nxt) != len(edges):
+                return None
+            for (fn, input_nr), spec in zip(nxt, edges):
+                if not spec:
+                    if fn is not None:
+                        return None
+                elif fn is None or input_nr != spec[1] or (len(spec) == 2 and fn is not found[spec[0]]):
+                    return None
+                elif len(spec) == 3:
+                    found[spec[0]] = fn
+        return tuple(found)
+
+    assert untyped((torch.ones(1, requires_grad=True).exp().grad_fn,), (), 1) is not None
+
+    with pytest.raises(RuntimeError, match="walk"):
+        self_tests.walk(untyped)
+
+    def no_identity(starts, steps, count):  # a node reached again not compared
+        return gp.walk(starts, tuple((src, tuple(e for e in edges if len(e) != 2)) for src, edges in steps), count)
+
+    with pytest.raises(RuntimeError, match="walk"):
+        self_tests.walk(no_identity)
+
+
+def test_walk_says_what_is_malformed(built):
+    walk = native.walk_fn()
+    x = torch.randn(3, requires_grad=True)
+    root = x.exp().sum().grad_fn
+    exp = root.next_functions[0][0]
+    cases = [
+        (((5, ()),), 1, "not discovered yet"),
+        (((0, ((2, 0, type(exp)),)),), 2, "not the next one"),
+        (((0, ((1, 0, type(exp)),)),), 3, "fewer nodes than count"),
+        (((0, ((1,),)),), 2, "an edge is"),
+        (((0,),), 1, "a step is"),
+    ]
+    for steps, count, message in cases:
+        with pytest.raises(ValueError, match=message):
+            walk((root,), steps, count)
+    with pytest.raises(TypeError, match="walk"):
+        walk([root], (), 1)
+    assert walk((root,), ((0, ((1, 0, type(exp)),)),), 2) == (root, exp)
 
 
 def test_collect_says_which_instruction_is_malformed(built):
