@@ -26,6 +26,11 @@ compares only what the key bytes depend on:
   hook added from C++, foreign saved-tensor hooks), each leaf has no hook
   of its own, and the C++ reader of hook lists finds none on any node.
 
+Where the extension is built, the structure check is one C++ call
+(``walk``) and so is each run of per-node checks (``collect``, a program of
+instructions); the logged source lists their steps and instructions as
+comments (:mod:`cagrad.native.guard_program`).
+
 In the same pass it fills what the full collection would produce for the
 graph: the lifted tensors (root gradients, then saved tensors in run
 order) and the size slot values, in the same order, which the CacheNode's
