@@ -133,41 +133,33 @@ def _load() -> Native | None:
     except Exception as e:  # noqa: BLE001  (guards read the metadata in Python then)
         metadata = None
         log.warning("cagrad's C++ metadata reader failed its self-test (%s); hit guards read it in Python", str(e))
-    reclaim = None
-    try:
-        self_tests.reclaim(module.reclaim)
-        reclaim = module.reclaim
-    except Exception as e:  # noqa: BLE001  (CUDA graphs copy their outputs then)
-        log.warning("cagrad's C++ reclaim of CUDA-graph outputs failed its self-test (%s); outputs are copied", str(e))
-    hookless = None
-    try:
-        self_tests.hookless(module.hookless, module.counts)
-        hookless = module.hookless
-    except Exception as e:  # noqa: BLE001  (guards call counts() per node then)
-        log.warning("cagrad's C++ hookless() failed its self-test (%s); hit guards check hooks node by node", str(e))
-    sole = None
-    try:
-        self_tests.sole(module.sole)
-        sole = module.sole
-    except Exception as e:  # noqa: BLE001  (gradients handed to .grad are copied then)
-        log.warning("cagrad's C++ sole() failed its self-test (%s); segmented runs copy gradients into .grad", str(e))
+    reclaim = _tested(module.reclaim, self_tests.reclaim, "reclaim of CUDA-graph outputs", "outputs are copied")
+    hookless = _tested(
+        module.hookless, lambda fn: self_tests.hookless(fn, module.counts), "hookless()",
+        "hit guards check hooks node by node",
+    )  # fmt: skip
+    sole = _tested(module.sole, self_tests.sole, "sole()", "segmented runs copy gradients into .grad")
     collect = None
-    if metadata is not None:
-        try:
-            self_tests.collect(module.collect, metadata)
-            collect = module.collect
-        except Exception as e:  # noqa: BLE001  (guards check each attribute in a Python line then)
-            log.warning("cagrad's C++ collect() failed its self-test (%s); hit guards check in Python", str(e))
-    walk = None
-    try:
-        self_tests.walk(module.walk)
-        walk = module.walk
-    except Exception as e:  # noqa: BLE001  (guards unpack next_functions in Python then)
-        log.warning("cagrad's C++ walk() failed its self-test (%s); hit guards walk the graph in Python", str(e))
+    if metadata is not None:  # its reference runs through the readers
+        collect = _tested(
+            module.collect, lambda fn: self_tests.collect(fn, metadata), "collect()", "hit guards check in Python"
+        )
+    walk = _tested(module.walk, self_tests.walk, "walk()", "hit guards walk the graph in Python")
     return Native(
         module.counts, module.release, metadata, module.accumulate, module.stealable, reclaim, hookless,
         module.device_frees, sole, collect, walk,
     )
+
+
+def _tested(fn: Callable[..., Any], self_test: Callable[[Any], None], name: str, instead: str) -> Any:
+    """``fn`` if ``self_test(fn)`` passes, else None with a warning saying
+    what cagrad does ``instead`` (its Python)."""
+    try:
+        self_test(fn)
+    except Exception as e:  # noqa: BLE001  (its callers use Python then)
+        log.warning("cagrad's C++ %s failed its self-test (%s); %s", name, str(e), instead)
+        return None
+    return fn
 
 
 def hookless_fn() -> Callable[[tuple], bool] | None:

@@ -59,26 +59,12 @@ def test_walks_self_test_rejects_a_walk_that_disagrees(built):
     from cagrad.native import guard_program as gp
     from cagrad.native import self_tests
 
-    def untyped(starts, steps, count):  # new nodes' types not compared
-        found = list(starts) + [None] * (count - len(starts))
-        for src, edges in steps:
-            nxt = found[src].next_functions
-            if len(nxt) != len(edges):
-                return None
-            for (fn, input_nr), spec in zip(nxt, edges):
-                if not spec:
-                    if fn is not None:
-                        return None
-                elif fn is None or input_nr != spec[1] or (len(spec) == 2 and fn is not found[spec[0]]):
-                    return None
-                elif len(spec) == 3:
-                    found[spec[0]] = fn
-        return tuple(found)
-
-    assert untyped((torch.ones(1, requires_grad=True).exp().grad_fn,), (), 1) is not None
+    def lenient(starts, steps, count):  # accepts every graph that differs
+        got = gp.walk(starts, steps, count)
+        return got if got is not None else tuple(starts) + (None,) * (count - len(starts))
 
     with pytest.raises(RuntimeError, match="walk"):
-        self_tests.walk(untyped)
+        self_tests.walk(lenient)
 
     def no_identity(starts, steps, count):  # a node reached again not compared
         return gp.walk(starts, tuple((src, tuple(e for e in edges if len(e) != 2)) for src, edges in steps), count)
