@@ -54,7 +54,6 @@ import dataclasses
 import logging
 import operator
 import os
-import struct
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,7 +64,7 @@ from .. import native
 from ..native import guard_program
 from ..autograd import saved_variables
 from ..autograd.walk import Kind
-from .cache_key import KeyWriter
+from .cache_key import KeyWriter, _pack_d
 from .compiled_node_args import _int64
 
 log = logging.getLogger("cagrad.guards")
@@ -199,7 +198,6 @@ def _ineligible(collected: Any, call: Any) -> str | None:
     return None
 
 
-_pack_d = struct.Struct("<d").pack
 # tensor types whose shape, strides and metadata the C++ reader may read
 # directly (no __torch_function__ of their own in the way)
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -490,7 +488,7 @@ class _Generator:
         if key is not None and pos is not None and self._op((guard_program.METADATA, pos, input_nr, key), note):
             return
         if key is not None:  # dtype, device and rank packed; sizes appended to V
-            self.fail_if(f"not _md({name}, {input_nr}, {key}, V)  # {md.dtype}, {md.device}, rank {len(md.shape)}")
+            self.fail_if(f"not _md({name}, {input_nr}, {key}, V)  # {note}")
             return
         if target.id not in self.md_loaded:
             self.md_loaded.add(target.id)
@@ -541,34 +539,33 @@ class _Generator:
                 self._metadata(task.call_of[fn], input_nr)
 
     def _value(self, pos: int, attr: str, v: Any) -> None:
-        name = sys.intern(attr)
+        # one classification for both forms: the instruction, or its Python line
         if v is None or v is True or v is False or isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
-            op: tuple | None = (guard_program.IS, pos, name, v)
+            code: int | None = guard_program.IS
         elif type(v) in (int, str):
-            op = (guard_program.EQ, pos, name, v)
+            code = guard_program.EQ
         elif type(v) is float:
-            op = (guard_program.FLOAT, pos, name, v)
+            code = guard_program.FLOAT
         elif type(v) in (tuple, list) and all(type(x) is int for x in v):
-            op = (guard_program.INT_SEQ, pos, name, v)
+            code = guard_program.INT_SEQ
         else:
-            op = None
-        if op is not None and self._op(op):
+            code = None
+        if code is not None and self._op((code, pos, sys.intern(attr), v)):
             return
         self.emit(f"a = {self.var[self.task.order[pos].id]}.{attr}")
-        if v is None or v is True or v is False:
-            self.fail_if(f"a is not {v}")
-        elif type(v) in (int, str):
+        if code == guard_program.IS:
+            self.fail_if(f"a is not {v if v is None or type(v) is bool else self.const(v)}")
+        elif code == guard_program.EQ:
             self.fail_if(f"type(a) is not {type(v).__name__} or a != {v!r}")
-        elif type(v) is float:
+        elif code == guard_program.FLOAT:
             self.fail_if(f"type(a) is not float or _pack_d(a) != {self.const(_pack_d(v))}")
-        elif isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
-            self.fail_if(f"a is not {self.const(v)}")
-        elif type(v) in (tuple, list) and all(type(x) is int for x in v):
+        elif code == guard_program.INT_SEQ:
             self.fail_if(f"type(a) is not {type(v).__name__} or a != {self.const(v)} or _types(a) != {self.const(_types(v))}")
         else:
             self.fail_if(f"_key_bytes(a) != {self.const(_key_bytes(v))}")
 
     def _sym_value(self, pos: int, attr: str, v: Any) -> None:
+        # one classification for both forms: the instruction, or its Python line
         name = sys.intern(attr)
         if v is None:
             op: tuple | None = (guard_program.IS, pos, name, None)
@@ -580,16 +577,16 @@ class _Generator:
             op = None
         if op is not None and self._op(op):
             return
+        code = None if op is None else op[0]
         self.emit(f"a = {self.var[self.task.order[pos].id]}.{attr}")
-        if v is None:
+        if code == guard_program.IS:
             self.fail_if("a is not None")
+        elif code == guard_program.INTS and self.readers is not None:
+            self.fail_if(f"not _ints(a, {len(v)}, V)")  # one C++ call: checked and appended
         elif isinstance(v, (tuple, list)):
-            if self.readers is not None and all(type(x) is int for x in v):
-                self.fail_if(f"not _ints(a, {len(v)}, V)")  # one C++ call: checked and appended
-                return
             self.fail_if(f"not isinstance(a, (tuple, list)) or len(a) != {len(v)}")
             self.emit("V += map(_int64, a)")
-        elif self.readers is not None and type(v) is int:
+        elif code == guard_program.INT and self.readers is not None:
             self.fail_if("not _int(a, V)")
         else:
             self.fail_if("a is None or isinstance(a, (tuple, list))")

@@ -767,7 +767,8 @@ static PyObject* walk(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // The instructions of collect(), one tuple each: (op, i, ...), where i
 // indexes the node tuple and `name` is the attribute read from node i
-// (cagrad/keys/guard_program.py writes them and documents each).
+// (cagrad/native/guard_program.py documents each and gives its Python;
+// cagrad/keys/hit_path.py writes them).
 enum GuardOp : long {
   kMetadata = 0,  // (op, i, input_nr, key): metadata_check of input input_nr
   kTensor = 1,    // (op, i, name, type, key): tensor_check, and appended to the tensors
@@ -800,6 +801,17 @@ static PyObject* attr_or_none(PyObject* obj, PyObject* name) {
   return got;
 }
 
+// bool(a), consuming the new reference `a`: 1, 0, or -1 (a is nullptr: an
+// error is set, or bool() raised).
+static int truth_of(PyObject* a) {
+  if (a == nullptr) {
+    return -1;
+  }
+  int r = PyObject_IsTrue(a);
+  Py_DECREF(a);
+  return r;
+}
+
 // kLeaf's leaf and hook part: the variable of the AccumulateGrad node `node`
 // (a new reference) if it has no grad_fn, no tensor hook and no
 // post-accumulate-grad hook; Py_None (new) if it has one; nullptr on error.
@@ -809,26 +821,23 @@ static PyObject* hookless_leaf(PyObject* node) {
   if (v == nullptr) {
     return nullptr;
   }
-  const char* names[] = {"grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks"};
-  PyObject** slots[] = {&s_grad_fn, &s_hooks, &s_post};
-  for (int k = 0; k < 3; ++k) {
-    PyObject* a = k == 2 ? attr_or_none(v, interned(slots[k], names[k]))
-                         : PyObject_GetAttr(v, interned(slots[k], names[k]));
-    if (a == nullptr) {
-      Py_DECREF(v);
-      return nullptr;
-    }
-    int bad = k == 0 ? a != Py_None : PyObject_IsTrue(a);
-    Py_DECREF(a);
-    if (bad != 0) {
-      Py_DECREF(v);
-      if (bad < 0) {
-        return nullptr;
-      }
-      Py_RETURN_NONE;
-    }
+  PyObject* grad_fn = PyObject_GetAttr(v, interned(&s_grad_fn, "grad_fn"));
+  int bad = grad_fn == nullptr ? -1 : grad_fn != Py_None;
+  Py_XDECREF(grad_fn);
+  if (bad == 0) {
+    bad = truth_of(PyObject_GetAttr(v, interned(&s_hooks, "_backward_hooks")));
   }
-  return v;
+  if (bad == 0) {
+    bad = truth_of(attr_or_none(v, interned(&s_post, "_post_accumulate_grad_hooks")));
+  }
+  if (bad == 0) {
+    return v;
+  }
+  Py_DECREF(v);
+  if (bad < 0) {
+    return nullptr;
+  }
+  Py_RETURN_NONE;
 }
 
 // One instruction against `node`: 1 (holds), 0 (does not), -1 (error).
@@ -935,9 +944,12 @@ static int run_op(PyObject* op, long code, PyObject* node, PyObject* values, PyO
         PyErr_SetString(PyExc_ValueError, "collect(): a float instruction's value is not a float");
         break;
       }
-      double x = PyFloat_CheckExact(a) ? PyFloat_AS_DOUBLE(a) : 0.0;
-      double y = PyFloat_AS_DOUBLE(want);
-      r = PyFloat_CheckExact(a) && std::memcmp(&x, &y, sizeof(double)) == 0;
+      r = 0;
+      if (PyFloat_CheckExact(a)) {
+        double x = PyFloat_AS_DOUBLE(a);
+        double y = PyFloat_AS_DOUBLE(want);
+        r = std::memcmp(&x, &y, sizeof(double)) == 0;
+      }
       break;
     }
     default:
