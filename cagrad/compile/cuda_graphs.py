@@ -90,7 +90,7 @@ import logging
 import math
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -752,9 +752,7 @@ class CudaGraphed:
             pool = self.buffer_pools[device] = torch.cuda.MemPool()
         return torch.cuda.use_mem_pool(pool, device)
 
-    def _record(
-        self, inputs: Sequence[torch.Tensor], sizes: list, static: list[bool], params: list[bool]
-    ) -> _Recorded:
+    def _record(self, inputs: list, sizes: list, static: list[bool], params: list[bool]) -> _Recorded:
         """Records ``fn`` reading the ``static`` inputs in place and the rest
         from buffers of its own (filled here). The capture runs no kernel;
         the caller replays. An output that is an input read in place (a
@@ -764,7 +762,8 @@ class CudaGraphed:
         args = []
         buffers: list[torch.Tensor | None] = []
         spans: dict[int, torch.Tensor] = {}
-        for t, s in zip(inputs, static):
+        for i, s in enumerate(static):
+            t = inputs[i]
             if s:
                 args.append(t)
                 buffers.append(None)  # no reference kept: the input may die
@@ -775,6 +774,7 @@ class CudaGraphed:
                 with self._buffer_memory(t.device):
                     flat = torch.empty_like(source, memory_format=torch.contiguous_format)
                 flat.copy_(source)
+                del source
                 spans[len(args)] = flat
                 buf = flat.as_strided(t.size(), t.stride(), 0)
                 args.append(buf)
@@ -785,6 +785,13 @@ class CudaGraphed:
                 buf.copy_(t)
                 args.append(buf)
                 buffers.append(buf)
+            if not s:
+                # the copy stands in for the input from here on (same values,
+                # sizes and strides): where the caller handed its list over,
+                # the input is freed now, as eager frees a saved tensor, and
+                # the recording's peak holds one of the two
+                del t
+                inputs[i] = buffers[-1]
         graph = torch.cuda.CUDAGraph()
         with _capturing(graph):  # it waits for the copies above first
             outputs = list(self.fn(args, list(sizes), [], [], []))

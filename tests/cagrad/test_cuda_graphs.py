@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 
 import pytest
 import torch
@@ -424,6 +425,40 @@ def test_inputs_at_stable_addresses_are_read_in_place_and_a_moved_one_is_copied(
     graphs = list(graphed.graphs.values())
     assert graphs[0].static == [True, True] and graphs[1].static == [False, False]
     assert len(graphs) <= 3 and cagrad.counters["cudagraph_records"] == len(graphs)
+
+
+@cuda
+def test_a_copied_input_is_freed_before_the_capture() -> None:
+    """A recording that copies an input (it moved since the last call)
+    holds the copy only: where the caller handed over the only references
+    (a backward without ``retain_graph``), the input is freed once copied,
+    before the capture allocates the graph's memory, as eager frees a saved
+    tensor once read. An input read in place stays. The results are the
+    function's own."""
+    alive_at_capture = []
+
+    def fn(inputs, sizes, scalars, hooks, packed):
+        if torch.cuda.is_current_stream_capturing():
+            alive_at_capture.append([r() is not None for r in refs])
+        return _fn(inputs, sizes, scalars, hooks, packed)
+
+    graphed = cuda_graphs.CudaGraphed(fn)
+    b = torch.randn(64, 32, device="cuda")
+    first = torch.randn(64, 32, device="cuda")  # kept: the next input lands elsewhere
+    graphed([first, b], [], [], [], [])  # warm-up
+    a = torch.randn(64, 32, device="cuda")
+    assert a.data_ptr() != first.data_ptr()
+    expected = _fn([a.clone(), b], [], [], [], [])
+    refs = [weakref.ref(a), weakref.ref(b)]
+    inputs = [a, b]
+    del a
+    got = graphed(inputs, [], [], [], [])
+    (rec,) = graphed.graphs.values()
+    assert rec.static == [False, True]
+    assert alive_at_capture == [[False, True]]
+    assert inputs[0] is rec.buffers[0] and inputs[1] is b
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
 
 
 @cuda
