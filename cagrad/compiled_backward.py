@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from .keys.cache_key import CacheKey, KeyWriter
 from .keys.compiled_node_args import Collector, write_tensor
 from .keys.sizes import tighten
 from .run import host, runtime
+from .run.guarded import GuardedBackward
 
 log = logging.getLogger("cagrad")
 
@@ -63,6 +65,10 @@ class CollectedBackward:
     @property
     def keys(self) -> list[CacheKey]:
         return [self.task_key, *self.node_keys]
+
+    def run_order(self) -> list[Any]:
+        """The nodes in run order (None for the virtual GraphRoot)."""
+        return [c.node for c in self.task.order]
 
 
 def check_supported_mode(create_graph: bool = False) -> None:
@@ -264,29 +270,37 @@ def run(
     try:
         check_supported_mode(call.create_graph)
         census = None
+        fast = None
         if cache.guards and hit_path.eligible_call(call):
             census = Census()  # the full path below reuses it on a guard miss
-            if hit_path.census_is_clear(census):  # else some hook is live: the full path runs it
+            if hit_path.census_allows(census):  # else some hook is live: the full path runs it
                 early = _replay_early(cache.guards[0], call) if cuda_graphs else None
                 try:
                     fast = _try_guards(call, cache, census)
-                    if fast is not None:
-                        return _run_guarded(call, cache, *fast)
+                    if fast is not None and fast[2][0].segmented is None:
+                        return _run_guarded(call, cache, *fast[:3])
                 finally:
                     if early is not None:
                         early.settle()
-        collected = collect_backward(
-            call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
-        )
+        if fast is not None:
+            # a segmented graph the guard accepted: it runs below, after
+            # this try, as a collected one does (its hooks run as it goes)
+            collected, node, found = _guarded_segmented(call, cache, *fast)
+            sizes_values = fast[1].values
+        else:
+            collected = collect_backward(
+                call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
+            )
+            node = cache.find(collected.keys)
+            if node is not None and node.verdict is not None:
+                raise Unsupported(node.verdict.reason, node.verdict.detail)
+            sizes_values = collected.collector.sizes.values
+            found = None if node is None else node.match(sizes_values)
         ctx = run_context.current()
         if ctx is not None:
-            ctx.task = collected.task
-        node = cache.find(collected.keys)
-        if node is not None and node.verdict is not None:
-            raise Unsupported(node.verdict.reason, node.verdict.detail)
-        sizes = collected.collector.sizes
-        found = None if node is None else node.match(sizes.values)
+            ctx.task = collected.task if fast is None else collected
         if found is None:
+            sizes = collected.collector.sizes
             reason = explain.diagnose(cache, collected.keys, sizes) if _wants_reason() else None
             node = cache.lookup(collected.keys)
             entry = _capture(collected, cache, node, compiler_fn, compile_graph, dynamic, reason, disk)
@@ -300,7 +314,11 @@ def run(
         fresh = node.guard is None and entry.segmented is None
         graph_sizes = [fn(*sym_values) for fn in entry.traced.size_inputs]
         if entry.segmented is None:
-            _prepare_symbolic(entry, graph_sizes, sizes.values)
+            _prepare_symbolic(entry, graph_sizes, sizes_values)
+        elif node.guard is None:
+            # before the run, which empties the collected lists (a whole
+            # graph's guard is made after its call, which may fall back)
+            _add_guard(collected, call, cache, node)
         if found is not None:
             counters.bump("cache_hits")  # not one if it fell back above
         early_release = False
@@ -353,27 +371,42 @@ def run(
 
 
 def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple | None:
-    """The first guard that accepts this backward, with its hit and variant.
+    """The first guard that accepts this backward: ``(guard, hit, (entry,
+    symbol values), runtime objects)``, the objects only for a segmented
+    entry (:mod:`cagrad.keys.leaf_hooks`), else None.
 
     None sends the backward down the full path: no guard accepts it, its
     key sequence has a fallback verdict now, or no variant accepts its sizes
-    (a capture follows). The caller has checked that no hook is live
-    (:func:`~cagrad.keys.hit_path.census_is_clear`).
+    (a capture follows). The caller has checked that no hook is live but
+    C++ hooks on leaves (:func:`~cagrad.keys.hit_path.census_allows`).
     """
     guards = cache.guards
+    cpp_hooks = census.cpp_hooks
     for i, guard in enumerate(guards):
+        leaves = guard.leaves
+        if leaves.hooked and not cpp_hooks:
+            continue  # its hooked leaves have no hooks now
         hit = guard(call.tensors, call.grad_tensors, census.counts)
         if hit is None:
             continue
         if census.claim_slots and hit_path.has_foreign_saved_hooks(hit):
             return None
+        objects = leaves.collect(hit.order, census) if cpp_hooks else None
+        if cpp_hooks and objects is None:
+            continue
         node = guard.node
         found = node.match(hit.values) if node.verdict is None else None
         if found is None:
             return None
+        if found[0].segmented is None:
+            objects = None
+        elif objects is None:
+            objects = leaves.collect(hit.order, census)
+            if objects is None:
+                return None
         if i:
             guards.insert(0, guards.pop(i))
-        return guard, hit, found
+        return guard, hit, found, objects
     return None
 
 
@@ -416,6 +449,19 @@ def _run_guarded(
         outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
     runtime.finish_whole(entry, hit.order, outs)
     return None
+
+
+def _guarded_segmented(
+    call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit, found: tuple, objects: list
+) -> tuple[GuardedBackward, CacheNode, tuple]:
+    """A segmented backward a guard accepted, as the segmented runtime reads
+    a collected one: ``(collected, CacheNode, (entry, symbol values))``."""
+    guard.last_entry = found[0]
+    if hit_path.verify_enabled():
+        _verify_hit(call, cache, guard, hit, objects)
+    counters.bump("guard_hits")
+    guarded = GuardedBackward(call, hit, guard.release_slots, objects, bool(guard.leaves.hooked))
+    return guarded, guard.node, found
 
 
 def _prepare_symbolic(entry: CompiledEntry, graph_sizes: list[int], values: Sequence[int]) -> None:
@@ -466,8 +512,11 @@ def _add_guard(collected: CollectedBackward, call: BackwardCall, cache: CacheNod
         dropped.node.guard = None  # rebuilt at its next full-path hit
 
 
-def _verify_hit(call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit) -> None:
-    """``CAGRAD_VERIFY_GUARDS=1``: the full path must agree with the guard.
+def _verify_hit(
+    call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit, objects: list | None = None
+) -> None:
+    """``CAGRAD_VERIFY_GUARDS=1``: the full path must agree with the guard
+    (and with its runtime ``objects``, for a segmented graph).
 
     Raises:
         RuntimeError: the guard accepted a backward that the full collection
@@ -485,6 +534,8 @@ def _verify_hit(call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, 
     tensors = collected.collector.args.tensors
     if len(tensors) != len(hit.tensors) or not all(map(_same_tensor, tensors, hit.tensors)):
         problems.append("other lifted tensors")
+    if objects is not None and not _same_objects(collected.collector.objects, objects):
+        problems.append("other runtime objects")
     if problems:
         raise RuntimeError(
             "cagrad internal error: a hit guard accepted a backward the full path sees "
@@ -501,6 +552,17 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.dtype == b.dtype
         and a.requires_grad == b.requires_grad
     )
+
+
+def _same_objects(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """The same runtime objects, a tuple of hooks by its elements."""
+
+    def same(x: Any, y: Any) -> bool:
+        if type(x) is tuple and type(y) is tuple:
+            return len(x) == len(y) and all(map(operator.is_, x, y))
+        return x is y
+
+    return len(a) == len(b) and all(map(same, a, b))
 
 
 MAX_RESPECULATIONS = 3

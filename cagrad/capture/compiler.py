@@ -144,9 +144,10 @@ class Traced:
         )
 
 
-def runtime_objects(collector: Collector, task: GraphTask, force_opaque: frozenset[int]) -> list[Any]:
-    """The graph's ``hooks`` list: collected objects, then forced-opaque nodes."""
-    return collector.objects + [task.order[pos].node for pos in sorted(force_opaque)]
+def runtime_objects(objects: list[Any], run_order: Sequence[Any], force_opaque: frozenset[int]) -> list[Any]:
+    """The graph's ``hooks`` list: the collected ``objects``, then the
+    forced-opaque nodes (``run_order``: the backward's nodes in run order)."""
+    return objects + [run_order[pos] for pos in sorted(force_opaque)]
 
 
 def _forced_plans(

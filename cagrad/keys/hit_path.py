@@ -41,10 +41,12 @@ the key sequence it was built from. With ``CAGRAD_VERIFY_GUARDS=1`` (the
 test suite sets it) every accepted backward is also collected in full and
 the two are compared (``cagrad.compiled_backward._verify_hit``).
 
-Only whole-graph backwards are guarded: ``backward()`` without ``inputs=``,
-without ``create_graph``, with every node traced or a leaf's
-AccumulateGrad, non-leaf roots, no hooks and no complex dtypes. Others take
-the full path as before. The generated source is logged with
+Guarded backwards are ``backward()`` without ``inputs=``, without
+``create_graph``, with every node traced or a leaf's AccumulateGrad,
+non-leaf roots and no complex dtypes, and either no hooks (one compiled
+graph) or only C++ post hooks on leaves, DDP's reducer's (a segmented run:
+:mod:`cagrad.keys.leaf_hooks` checks those hooks and builds the runtime
+objects). Others take the full path as before. The generated source is logged with
 ``CAGRAD_LOGS=guards`` (logger ``cagrad.guards``).
 """
 
@@ -64,6 +66,7 @@ from .. import native
 from ..native import guard_program
 from ..autograd import saved_variables
 from ..autograd.walk import Kind
+from . import leaf_hooks
 from .cache_key import KeyWriter, _pack_d
 from .compiled_node_args import _int64
 
@@ -110,12 +113,15 @@ class HitGuard:
         last_entry: the CompiledEntry its last hit ran (the next hit most
             likely runs it again: a CUDA-graphed one replays early,
             :meth:`cagrad.compile.cuda_graphs.CudaGraphed.speculate`).
+        leaves: its leaves' hooks, checked after ``fn`` where C++ hooks on
+            leaves are live (:mod:`cagrad.keys.leaf_hooks`).
     """
 
     node: Any
     fn: Callable[..., Any]
     release_slots: list[tuple[int, str, int]]
     source: str
+    leaves: leaf_hooks.LeafHooks
     release_positions: tuple[int, ...] = ()
     last_entry: Any = None
 
@@ -138,14 +144,20 @@ def eligible_call(call: Any) -> bool:
     return bool(call.accumulate_grad) and not call.create_graph and not call.inputs
 
 
-def census_is_clear(census: Any) -> bool:
-    """No hook of any kind may be live anywhere (see :class:`~cagrad.hooks.hooks_census.Census`).
+def census_allows(census: Any) -> bool:
+    """Whether a guard may be tried at all (see :class:`~cagrad.hooks.hooks_census.Census`):
+    no Python node hook and no tensor hook may be live anywhere. C++ hooks
+    on leaves (DDP's reducer, ``census.cpp_hooks``) may be, where the C++
+    reader of hook lists is there to check every node's: a guard then
+    checks its leaves' hooks too (:meth:`~cagrad.keys.leaf_hooks.LeafHooks.collect`).
 
     Foreign saved-tensor hooks (``census.claim_slots``: checkpointing or
     ``saved_tensors_hooks`` were used in this process) are checked per graph
     instead, by :func:`has_foreign_saved_hooks`.
     """
-    return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
+    if census.probe_nodes or census.tensor_hooks:
+        return False
+    return not census.cpp_hooks or census.counts is not None
 
 
 def has_foreign_saved_hooks(hit: Hit) -> bool:
@@ -162,14 +174,18 @@ def build(collected: Any, call: Any, cache_node: Any) -> HitGuard | None:
     """Generates the guard of a graph just captured, or None if it is not
     eligible (see the module docstring; the reason is logged)."""
     why = _ineligible(collected, call)
-    if why is not None:
-        log.debug("no guard for this graph: %s", why)
+    leaves = why or leaf_hooks.plan(collected)
+    if isinstance(leaves, str):
+        log.debug("no guard for this graph: %s", leaves)
         return None
-    gen = _Generator(collected)
+    if leaves.hooked and native.hookless_fn() is None:
+        log.debug("no guard for this graph: hooked leaves, and no C++ reader of hook lists")
+        return None
+    gen = _Generator(collected, frozenset(pos for pos, _ in leaves.hooked))
     source = gen.source()
     namespace = dict(gen.consts)
     exec(compile(source, f"<cagrad guard {id(cache_node):x}>", "exec"), namespace)  # noqa: S102
-    guard = HitGuard(cache_node, namespace["guard"], gen.release_slots, source)
+    guard = HitGuard(cache_node, namespace["guard"], gen.release_slots, source, leaves)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("guard for a graph of %d nodes:\n%s", len(collected.task.order), source)
     return guard
@@ -180,16 +196,15 @@ def _ineligible(collected: Any, call: Any) -> str | None:
     task = collected.task
     if not eligible_call(call):
         return "autograd.grad, inputs= or create_graph"
-    if collector.any_opaque or collector.needs_host:
-        return "hooks or nodes run as they are"
     if task.output_edges or not task.accumulate_grad:
         return "inputs="
     for t in call.tensors:
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             return "a leaf root"
     for plan in collector.plans:
-        if plan.kind not in _ELIGIBLE or plan.hooks is not None:
+        if plan.kind not in _ELIGIBLE:
             return f"a node of kind {plan.kind.name}"
+    # hooks: only C++ post hooks on leaves (leaf_hooks.plan says which)
     if any(t.is_complex() for t in collector.args.tensors):
         return "a complex tensor"
     for call_, plan in zip(task.order, collector.plans):
@@ -221,9 +236,10 @@ def _types(v: Any) -> tuple:
 class _Generator:
     """Writes the guard's source from a collected backward (capture time)."""
 
-    def __init__(self, collected: Any) -> None:
+    def __init__(self, collected: Any, hooked: frozenset[int] = frozenset()) -> None:
         self.task = collected.task
         self.collector = collected.collector
+        self.hooked = hooked  # run positions of leaves whose hooks LeafHooks checks
         self.lines: list[str] = []
         self.consts: dict[str, Any] = {
             "_Tensor": torch.Tensor,
@@ -302,7 +318,9 @@ class _Generator:
         self._run_order()
         if self.hookless is not None:
             # every node's hook lists in one C++ call (counts(n, True) per node otherwise)
-            nodes = ", ".join(self.var[c.id] for c in self.task.order if c.node is not None)
+            nodes = ", ".join(
+                self.var[c.id] for pos, c in enumerate(self.task.order) if c.node is not None and pos not in self.hooked
+            )
             self.fail_if(f"counts is not None and not _hookless(({nodes},))")
         order = ", ".join("None" if c.node is None else self.var[c.id] for c in self.task.order)
         self.emit(f"N = ({order},)")
@@ -507,7 +525,7 @@ class _Generator:
                 self._metadata(task.call_of[fn], input_nr)
             return
         n = self.var[call.id]
-        if self.hookless is None:
+        if self.hookless is None and pos not in self.hooked:
             self.fail_if(f"counts is not None and counts({n}, True) is not None")
         plan = self.collector.plans[pos]
         if plan.kind is Kind.ACCUMULATE:

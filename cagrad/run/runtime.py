@@ -97,7 +97,7 @@ def run_segmented(
     references to the lifted tensors (``collected``'s list is emptied).
     """
     traced = entry.traced
-    objects = runtime_objects(collected.collector, collected.task, traced.force_opaque)
+    objects = runtime_objects(collected.collector.objects, collected.run_order(), traced.force_opaque)
     resumed: list[list] = []
 
     def on_speculation_failed(failure: Any, env: dict) -> list:
@@ -206,7 +206,9 @@ class _PastNodes:
 
     def __init__(self, collected: Any) -> None:
         self.collected = collected
-        position = {id(call.node): pos for pos, call in enumerate(collected.task.order) if call.node is not None}
+        order = collected.run_order()
+        self.count = len(order)
+        position = {id(node): pos for pos, node in enumerate(order) if node is not None}
         by_pos: dict[int, tuple[list, list]] = {}
         for slot in collected.collector.args.slots:
             if slot is not None:
@@ -220,7 +222,7 @@ class _PastNodes:
         if isinstance(step, segments.Segment):
             q = step.next_pos
             if q is None:
-                q = len(self.collected.task.order)  # no opaque call follows: every node
+                q = self.count  # no opaque call follows: every node
         else:
             q = step.pos
             if q is None:
@@ -246,6 +248,8 @@ def _release_nodes(collected: Any, slots: Sequence[Any], calls: Sequence[Any]) -
     if saved_variables.release_nodes(nodes):
         return
     release_slots(slots)
+    if not calls:
+        return
     plans = collected.collector.plans
     position = {id(call): pos for pos, call in enumerate(collected.task.order)}
     for call in calls:

@@ -7,7 +7,8 @@ variants (default, ``static_graph``, ``find_unused_parameters``,
 ``reshard_after_forward``, and gradient accumulation). DDP's reducer hooks
 are C++ hooks that cagrad runs as opaque calls: skipping them leaves each
 rank with its local gradient, which differs from eager's by far more than
-rounding. Every backward must compile (no fallback).
+rounding. Every backward must compile (no fallback), and DDP's hits take
+the hit guard (:mod:`cagrad.keys.leaf_hooks`).
 """
 
 from __future__ import annotations
@@ -82,3 +83,9 @@ def test_every_rank_matches_eager_and_compiles(reports, case):
         assert counters["fallbacks"] == 0, counters["fallback_reasons"]
         assert counters["backwards"] == 3
         assert counters["captures"] >= 1 and counters["captures"] + counters["cache_hits"] == 3
+        if case.startswith("ddp:") and case != "ddp:find_unused:eager":
+            # the reducer's hooks are C++ post hooks on leaves: a guard takes
+            # every hit (checked against the full collection: the suite sets
+            # CAGRAD_VERIFY_GUARDS, which the ranks inherit); find_unused's
+            # outputs pass through DDP's _DDPSink, a custom Function
+            assert counters["guard_hits"] == counters["cache_hits"], counters

@@ -1,0 +1,152 @@
+"""Guarded hits of graphs whose only hooks are C++ post hooks on leaves
+(:mod:`cagrad.keys.leaf_hooks`; DDP's reducer, run end to end in
+``test_distributed.py``).
+
+Which graphs get such a guard is read from a real collected backward; what
+the guard accepts is checked with a stand-in census, whose hooks each case
+sets, against the objects the full collection would append."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cagrad import compiled_backward
+from cagrad.errors import Unsupported
+from cagrad.hooks import cpp_hooks
+from cagrad.hooks.hooks_census import Census, FoundHooks
+from cagrad.keys import hit_path, leaf_hooks
+from cagrad.run.guarded import GuardedBackward
+
+
+def _collected(loss: torch.Tensor):
+    return compiled_backward.collect_backward([loss], [torch.ones_like(loss)], [], True, census=Census())
+
+
+def test_a_graph_without_hooks_lists_its_leaves_in_the_collectors_order() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    collected = _collected(model(torch.randn(5, 4)).sum())
+    plan = leaf_hooks.plan(collected)
+    assert isinstance(plan, leaf_hooks.LeafHooks)
+    order = collected.run_order()
+    leaves = [pos for pos, n in enumerate(order) if type(n).__name__ == "AccumulateGrad"]
+    assert plan.hooked == () and sorted(plan.plain) == leaves and len(leaves) == 4
+    objects = plan.collect(order, Census())
+    assert len(objects) == len(collected.collector.objects) == 4
+    assert all(a is b for a, b in zip(objects, collected.collector.objects))
+    assert {id(p) for p in model.parameters()} == {id(v) for v in objects}
+
+
+def test_hooks_of_the_users_have_no_such_guard() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: g * 2)
+    assert isinstance(leaf_hooks.plan(_collected(y.exp().sum())), str)
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    assert isinstance(leaf_hooks.plan(_collected(Twice.apply(x).sum())), str)
+    w = torch.randn(3, requires_grad=True)
+    w.register_post_accumulate_grad_hook(lambda p: None)
+    assert isinstance(leaf_hooks.plan(_collected((w * x).sum())), str)
+
+
+class _Leaf:
+    def __init__(self) -> None:
+        self.variable = torch.zeros(1)
+
+
+class _Census:
+    """Stands in for a Census: the hooks each node has, and whether the
+    C++ hook lists agree."""
+
+    def __init__(self, found: dict, invisible: bool = False) -> None:
+        self.found = found
+        self.invisible = invisible
+
+    def hooks_of(self, node, is_leaf_sink):
+        assert is_leaf_sink
+        return self.found.get(id(node))
+
+    def check_invisible(self, node, found, runs, name):
+        if self.invisible:
+            raise Unsupported("invisible_hooks", name)
+
+
+def _found(cpp_post=(), post_accumulate=None) -> FoundHooks:
+    return FoundHooks([], [], None, None, post_accumulate, tuple(cpp_post))
+
+
+# run order: GraphRoot-less root node, a hooked leaf, a plain leaf
+_PLAN = leaf_hooks.LeafHooks(hooked=((1, 2),), plain=(2,), objects=((1, False), (1, True), (2, False)))
+
+
+@pytest.fixture
+def graph(monkeypatch):
+    hooks = (object(), object())
+    order = [object(), _Leaf(), _Leaf()]
+    registered: dict[int, tuple] = {}
+    monkeypatch.setattr(cpp_hooks, "post_hooks_of", lambda v: registered.get(id(v), ()))
+    return order, hooks, registered
+
+
+def test_the_captured_hooks_give_the_collectors_objects(graph) -> None:
+    order, hooks, _ = graph
+    got = _PLAN.collect(order, _Census({id(order[1]): _found(hooks)}))
+    assert got is not None and len(got) == 3
+    assert got[0] is order[1].variable and got[1] == hooks and got[2] is order[2].variable
+
+
+@pytest.mark.parametrize(
+    "case", ["one hook fewer", "one hook more", "no hooks", "a post-accumulate hook", "hooks the census misses"]
+)
+def test_other_hooks_on_a_hooked_leaf_are_a_miss(graph, case) -> None:
+    order, hooks, _ = graph
+    found = {
+        "one hook fewer": _found(hooks[:1]),
+        "one hook more": _found((*hooks, object())),
+        "no hooks": None,
+        "a post-accumulate hook": _found(hooks, post_accumulate={0: lambda p: None}),
+        "hooks the census misses": _found(hooks),
+    }[case]
+    census = _Census({} if found is None else {id(order[1]): found}, invisible=case == "hooks the census misses")
+    assert _PLAN.collect(order, census) is None
+
+
+def test_a_plain_leaf_that_gained_a_cpp_hook_is_a_miss(graph) -> None:
+    order, hooks, registered = graph
+    registered[id(order[2].variable)] = (object(),)
+    assert _PLAN.collect(order, _Census({id(order[1]): _found(hooks)})) is None
+
+
+def test_a_guarded_backward_reads_as_the_collected_one() -> None:
+    """What the segmented runtime reads of a guarded hit (:class:`GuardedBackward`):
+    the lifted tensors with their saved-tensor slots, and the GraphTask built
+    on first use, in the collected backward's run order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    loss = model(torch.randn(5, 4)).sum()
+    grad = torch.ones_like(loss)
+    collected = compiled_backward.collect_backward([loss], [grad], [], True, census=Census())
+    order = tuple(collected.run_order())
+    position = {id(n): pos for pos, n in enumerate(order)}
+    args = collected.collector.args
+    slots = [(position[id(node)], attr, index) for node, attr, index in args.slots[1:]]
+    call = compiled_backward.BackwardCall([loss], [grad], False, False, (), False, True)
+    hit = hit_path.Hit(list(args.tensors), list(collected.collector.sizes.values), order)
+    guarded = GuardedBackward(call, hit, slots, list(collected.collector.objects), False)
+    assert guarded.collector.args.slots == args.slots and guarded.collector.args.tensors is hit.tensors
+    assert guarded.run_order() is order and guarded.collector.releases == []
+    assert [c.node for c in guarded.task.order] == list(order)
+    assert all(guarded.will_execute(n) for n in order if n is not None)
+    with pytest.raises(RuntimeError, match="lifted"):
+        GuardedBackward(call, hit, slots[1:], [], False)
