@@ -72,7 +72,6 @@ from .compiled_node_args import _int64
 
 log = logging.getLogger("cagrad.guards")
 
-_ELIGIBLE = (Kind.ROOT, Kind.TRACED, Kind.ACCUMULATE)
 MAX_GUARDS = 8  # guards tried per backward, most recently hit first
 
 
@@ -202,7 +201,7 @@ def _ineligible(collected: Any, call: Any) -> str | None:
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             return "a leaf root"
     for plan in collector.plans:
-        if plan.kind not in _ELIGIBLE:
+        if plan.kind not in leaf_hooks.KINDS:
             return f"a node of kind {plan.kind.name}"
     # hooks: only C++ post hooks on leaves (leaf_hooks.plan says which)
     if any(t.is_complex() for t in collector.args.tensors):

@@ -29,7 +29,8 @@ from ..autograd.walk import Kind
 from ..errors import Unsupported
 from ..hooks import cpp_hooks
 
-_KINDS = (Kind.ROOT, Kind.TRACED, Kind.ACCUMULATE)
+# the node kinds a guarded graph may hold: the virtual root, traced nodes, leaves
+KINDS = (Kind.ROOT, Kind.TRACED, Kind.ACCUMULATE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ def plan(collected: Any) -> LeafHooks | str:
     plain: list[int] = []
     objects: dict[int, tuple[int, bool]] = {}
     for pos, (call, p) in enumerate(zip(collected.task.order, collector.plans)):
-        if p.kind not in _KINDS:
+        if p.kind not in KINDS:
             return f"a node of kind {p.kind.name}"
         hooks = p.hooks
         if p.kind is not Kind.ACCUMULATE:
@@ -120,4 +121,4 @@ def plan(collected: Any) -> LeafHooks | str:
     return LeafHooks(tuple(hooked), tuple(plain), tuple(objects[i] for i in range(len(objects))))
 
 
-__all__ = ["LeafHooks", "plan"]
+__all__ = ["KINDS", "LeafHooks", "plan"]

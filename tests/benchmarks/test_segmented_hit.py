@@ -1,0 +1,53 @@
+"""A DDP backward's hit: through the hit guard (:mod:`cagrad.keys.leaf_hooks`)
+against the full collection, and eager's backward, in one run.
+
+Run with ``tox -e bench -- -k segmented_hit``. The workload is the bench's
+``ddp_mlp`` (an 8-layer MLP under ``DistributedDataParallel`` in a process
+group of one, gloo on 127.0.0.1): the reducer's C++ hooks on every weight's
+AccumulateGrad make the backward segmented. The three variants are one
+group, so the table gives their ratios. "full path" tries no guard while
+C++ hooks are live, as cagrad did before these guards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cagrad
+from cagrad.keys import hit_path
+from harness.bench import workloads
+
+pytestmark = pytest.mark.benchmark
+
+
+def _no_guard_with_cpp_hooks(census) -> bool:
+    return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
+
+
+@pytest.mark.parametrize("path", ["eager", "guarded", "full path"])
+@pytest.mark.parametrize("workload", ["ddp_mlp"])
+def test_segmented_hit(benchmark, monkeypatch, workload, path):
+    if path == "full path":
+        monkeypatch.setattr(hit_path, "census_allows", _no_guard_with_cpp_hooks)
+    torch.manual_seed(0)
+    wl = workloads.WORKLOADS[workload]("cpu")
+    cagrad.reset()
+    holder = {}
+
+    def setup():
+        holder["loss"] = wl.step(wl.model)
+
+    if path == "eager":
+        run = lambda: holder["loss"].backward()  # noqa: E731
+    else:
+
+        def run():
+            with cagrad.enable("eager"):
+                holder["loss"].backward()
+
+    benchmark.pedantic(run, setup=setup, rounds=200, warmup_rounds=5)
+    if path != "eager":
+        guarded = cagrad.counters["guard_hits"]
+        assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] >= 200
+        assert guarded == (cagrad.counters["cache_hits"] if path == "guarded" else 0)
