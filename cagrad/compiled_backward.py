@@ -20,7 +20,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -277,16 +277,16 @@ def run(
                 early = _replay_early(cache.guards[0], call) if cuda_graphs else None
                 try:
                     fast = _try_guards(call, cache, census)
-                    if fast is not None and fast[2][0].segmented is None:
-                        return _run_guarded(call, cache, *fast[:3])
+                    if fast is not None and fast.entry.segmented is None:
+                        return _run_guarded(call, cache, fast.guard, fast.hit, fast.found)
                 finally:
                     if early is not None:
                         early.settle()
         if fast is not None:
             # a segmented graph the guard accepted: it runs below, after
             # this try, as a collected one does (its hooks run as it goes)
-            collected, node, found = _guarded_segmented(call, cache, *fast)
-            sizes_values = fast[1].values
+            collected = _guarded_segmented(call, cache, fast)
+            node, found, sizes_values = fast.guard.node, fast.found, fast.hit.values
         else:
             collected = collect_backward(
                 call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
@@ -370,10 +370,29 @@ def run(
     return tuple(result)
 
 
-def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple | None:
-    """The first guard that accepts this backward: ``(guard, hit, (entry,
-    symbol values), runtime objects)``, the objects only for a segmented
-    entry (:mod:`cagrad.keys.leaf_hooks`), else None.
+class GuardedHit(NamedTuple):
+    """A backward a guard accepted.
+
+    Attributes:
+        guard: the guard.
+        hit: what it collected.
+        found: ``(entry, symbol values)``, the variant its sizes match.
+        objects: the runtime objects, for a segmented entry only
+            (:mod:`cagrad.keys.leaf_hooks`), else None.
+    """
+
+    guard: hit_path.HitGuard
+    hit: hit_path.Hit
+    found: tuple
+    objects: list | None
+
+    @property
+    def entry(self) -> CompiledEntry:
+        return self.found[0]
+
+
+def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> GuardedHit | None:
+    """The first guard that accepts this backward.
 
     None sends the backward down the full path: no guard accepts it, its
     key sequence has a fallback verdict now, or no variant accepts its sizes
@@ -391,9 +410,11 @@ def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple |
             continue
         if census.claim_slots and hit_path.has_foreign_saved_hooks(hit):
             return None
-        objects = leaves.collect(hit.order, census) if cpp_hooks else None
-        if cpp_hooks and objects is None:
-            continue
+        objects = None
+        if cpp_hooks:  # the leaves' hooks are part of what the guard accepts
+            objects = leaves.collect(hit.order, census)
+            if objects is None:
+                continue
         node = guard.node
         found = node.match(hit.values) if node.verdict is None else None
         if found is None:
@@ -401,12 +422,12 @@ def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> tuple |
         if found[0].segmented is None:
             objects = None
         elif objects is None:
-            objects = leaves.collect(hit.order, census)
+            objects = leaves.collect(hit.order, census)  # no C++ hook was live at the census
             if objects is None:
                 return None
         if i:
             guards.insert(0, guards.pop(i))
-        return guard, hit, found, objects
+        return GuardedHit(guard, hit, found, objects)
     return None
 
 
@@ -451,17 +472,15 @@ def _run_guarded(
     return None
 
 
-def _guarded_segmented(
-    call: BackwardCall, cache: CacheNode, guard: hit_path.HitGuard, hit: hit_path.Hit, found: tuple, objects: list
-) -> tuple[GuardedBackward, CacheNode, tuple]:
+def _guarded_segmented(call: BackwardCall, cache: CacheNode, fast: GuardedHit) -> GuardedBackward:
     """A segmented backward a guard accepted, as the segmented runtime reads
-    a collected one: ``(collected, CacheNode, (entry, symbol values))``."""
-    guard.last_entry = found[0]
+    a collected one."""
+    guard = fast.guard
+    guard.last_entry = fast.entry
     if hit_path.verify_enabled():
-        _verify_hit(call, cache, guard, hit, objects)
+        _verify_hit(call, cache, guard, fast.hit, fast.objects)
     counters.bump("guard_hits")
-    guarded = GuardedBackward(call, hit, guard.release_slots, objects, bool(guard.leaves.hooked))
-    return guarded, guard.node, found
+    return GuardedBackward(call, fast.hit, guard.release_slots, fast.objects, bool(guard.leaves.hooked))
 
 
 def _prepare_symbolic(entry: CompiledEntry, graph_sizes: list[int], values: Sequence[int]) -> None:

@@ -200,10 +200,7 @@ def _ineligible(collected: Any, call: Any) -> str | None:
     for t in call.tensors:
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             return "a leaf root"
-    for plan in collector.plans:
-        if plan.kind not in leaf_hooks.KINDS:
-            return f"a node of kind {plan.kind.name}"
-    # hooks: only C++ post hooks on leaves (leaf_hooks.plan says which)
+    # node kinds and hooks: leaf_hooks.plan, which build() asks next
     if any(t.is_complex() for t in collector.args.tensors):
         return "a complex tensor"
     for call_, plan in zip(task.order, collector.plans):

@@ -93,8 +93,6 @@ def plan(collected: Any) -> LeafHooks | str:
     its leaves must still have none.
     """
     collector = collected.collector
-    if collector.user_code or collector.traced_hooks:
-        return "hooks of the user's"
     hooked: list[tuple[int, int]] = []
     plain: list[int] = []
     objects: dict[int, tuple[int, bool]] = {}
@@ -116,6 +114,8 @@ def plan(collected: Any) -> LeafHooks | str:
             return "a leaf with hooks other than C++ post hooks"
         objects[hooks.cpp_post] = (pos, True)
         hooked.append((pos, len(collector.objects[hooks.cpp_post])))
+    if collector.user_code or collector.traced_hooks:
+        return "code of the user's runs in the backward"
     if sorted(objects) != list(range(len(collector.objects))):
         return "runtime objects of other kinds"
     return LeafHooks(tuple(hooked), tuple(plain), tuple(objects[i] for i in range(len(objects))))

@@ -31,13 +31,12 @@ class _Collected:
     """The parts of a :class:`~cagrad.keys.compiled_node_args.Collector`
     the segmented runtime reads."""
 
-    __slots__ = ("args", "objects", "releases", "plans", "needs_host")
+    __slots__ = ("args", "objects", "releases", "needs_host")
 
     def __init__(self, args: TensorArgs, objects: list[Any], needs_host: bool) -> None:
         self.args = args
         self.objects = objects
         self.releases: list[Any] = []  # a guarded graph runs no node as it is
-        self.plans: list[Any] = []  # read only with releases
         self.needs_host = needs_host
 
 

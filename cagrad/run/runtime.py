@@ -97,7 +97,8 @@ def run_segmented(
     references to the lifted tensors (``collected``'s list is emptied).
     """
     traced = entry.traced
-    objects = runtime_objects(collected.collector.objects, collected.run_order(), traced.force_opaque)
+    order = collected.run_order()
+    objects = runtime_objects(collected.collector.objects, order, traced.force_opaque)
     resumed: list[list] = []
 
     def on_speculation_failed(failure: Any, env: dict) -> list:
@@ -131,7 +132,7 @@ def run_segmented(
     past = None
     if release_early:
         collected.collector.args.tensors.clear()
-        past = _PastNodes(collected)
+        past = _PastNodes(collected, order)
     with run_context.grad_mode():
         outs = segments.run(
             entry.segmented,
@@ -204,9 +205,9 @@ class _PastNodes:
     backward at a later position.
     """
 
-    def __init__(self, collected: Any) -> None:
+    def __init__(self, collected: Any, order: Sequence[Any]) -> None:
+        """``order``: the backward's nodes in run order (``collected.run_order()``)."""
         self.collected = collected
-        order = collected.run_order()
         self.count = len(order)
         position = {id(node): pos for pos, node in enumerate(order) if node is not None}
         by_pos: dict[int, tuple[list, list]] = {}
