@@ -188,10 +188,15 @@ def test_register_multi_grad_hook_fires_once_per_backward(mode):
             else:
                 tr.append(("any", grads))
 
-        torch.autograd.graph.register_multi_grad_hook((ha, hb, hc), fn, mode=mode)
+        handle = torch.autograd.graph.register_multi_grad_hook((ha, hb, hc), fn, mode=mode)
         for _ in range(2):
             # hc is not in this graph: mode "all" fires with its grad None
             (ha * hb).sum().backward(retain_graph=True)
+        # the hook's closure and the graph hold each other through C++ nodes,
+        # which gc cannot collect: a hook left registered keeps the census
+        # seeing a live hook, and every later test in this process without
+        # a guarded hit (cagrad.keys.hit_path.census_allows)
+        handle.remove()
         return [a.grad, b.grad]
 
     trace = check(build)
@@ -210,8 +215,9 @@ def test_will_engine_execute_node_answers_for_the_graph_with_inputs():
         def hook(g):
             tr.append(("executes", torch.tensor([torch._C._will_engine_execute_node(n) for n in nodes.values()])))
 
-        y.register_hook(hook)
+        handle = y.register_hook(hook)
         (gx,) = torch.autograd.grad(y.sum(), (x,))
+        handle.remove()  # as in test_register_multi_grad_hook_fires_once_per_backward
         return [gx]
 
     trace = check(build)
