@@ -273,7 +273,7 @@ def run(
         fast = None
         if cache.guards and hit_path.eligible_call(call):
             census = Census()  # the full path below reuses it on a guard miss
-            if hit_path.census_allows(census):  # else some hook is live: the full path runs it
+            if hit_path.census_allows(census):  # else hooks are live and no guard can see them
                 early = _replay_early(cache.guards[0], call) if cuda_graphs else None
                 try:
                     fast = _try_guards(call, cache, census)
@@ -396,8 +396,8 @@ def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> Guarded
 
     None sends the backward down the full path: no guard accepts it, its
     key sequence has a fallback verdict now, or no variant accepts its sizes
-    (a capture follows). The caller has checked that no hook is live but
-    C++ hooks on leaves (:func:`~cagrad.keys.hit_path.census_allows`).
+    (a capture follows). The caller has checked that guards may be tried
+    (:func:`~cagrad.keys.hit_path.census_allows`).
     """
     guards = cache.guards
     cpp_hooks = census.cpp_hooks

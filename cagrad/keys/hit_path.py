@@ -21,10 +21,12 @@ compares only what the key bytes depend on:
   ``node._input_metadata``, about 10x slower; the tensors' metadata
   likewise, for plain tensors and parameters; int and int-tuple attributes
   and the order of sequence numbers are also one C++ call each);
-* the leaves (still leaves, their metadata) and the absence of hooks: the
-  census must report no hook anywhere (no live node hook dict, tensor hook,
-  hook added from C++, foreign saved-tensor hooks), each leaf has no hook
-  of its own, and the C++ reader of hook lists finds none on any node.
+* the leaves (still leaves, their metadata) and the absence of hooks: each
+  leaf has no hook of its own, and the C++ reader of hook lists finds none
+  on any node (hooks live on other graphs do not matter; without the
+  reader the census must report no hook anywhere: no live node hook dict,
+  tensor hook or hook added from C++), and no node may carry foreign
+  saved-tensor hooks.
 
 Where the extension is built, the structure check is one C++ call
 (``walk``) and so is each run of per-node checks (``collect``, a program of
@@ -144,19 +146,24 @@ def eligible_call(call: Any) -> bool:
 
 
 def census_allows(census: Any) -> bool:
-    """Whether a guard may be tried at all (see :class:`~cagrad.hooks.hooks_census.Census`):
-    no Python node hook and no tensor hook may be live anywhere. C++ hooks
-    on leaves (DDP's reducer, ``census.cpp_hooks``) may be, where the C++
-    reader of hook lists is there to check every node's: a guard then
-    checks its leaves' hooks too (:meth:`~cagrad.keys.leaf_hooks.LeafHooks.collect`).
+    """Whether a guard may be tried at all (see :class:`~cagrad.hooks.hooks_census.Census`).
+
+    Where the C++ reader of hook lists is built (``census.counts``), yes:
+    each guard reads every one of its nodes' hook lists itself
+    (``_hookless``, and each leaf's own hook dicts), so a hook on its graph
+    is a miss and hooks live on other graphs do not matter. C++ hooks on
+    hooked leaves (DDP's reducer) are checked after the guard by
+    :meth:`~cagrad.keys.leaf_hooks.LeafHooks.collect`. Without the reader
+    no Python node hook, tensor hook or C++ hook may be live anywhere (the
+    census is the guard's only check of hooks then).
 
     Foreign saved-tensor hooks (``census.claim_slots``: checkpointing or
     ``saved_tensors_hooks`` were used in this process) are checked per graph
     instead, by :func:`has_foreign_saved_hooks`.
     """
-    if census.probe_nodes or census.tensor_hooks:
-        return False
-    return not census.cpp_hooks or census.counts is not None
+    if census.counts is not None:
+        return True
+    return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
 
 
 def has_foreign_saved_hooks(hit: Hit) -> bool:

@@ -202,10 +202,8 @@ def _run(model: nn.Module, data: list, graphed: bool, loss_of=_loss, between=Non
 
 def _compare(sizes, loss_of=_loss, between=None) -> None:
     """The gradients of an MLP under reduce-overhead are eager's, step by step."""
-    # a hooked graph an earlier test left in a reference cycle keeps its hook
-    # dicts alive until the collector runs, and while any such hook lives no
-    # backward takes a guarded hit (hit_path.census_allows), so none
-    # replays early
+    # hooked graphs earlier tests left in reference cycles are collected
+    # first: this test's backwards see the census they see when run alone
     gc.collect()
     torch.manual_seed(5)
     data = [torch.randn(n, 32) for n in sizes]

@@ -193,6 +193,98 @@ def test_a_leaf_hook_added_later_is_run_not_skipped():
     assert cagrad.counters["guard_hits"] == 1
 
 
+def _hooked_graph(seed=0):
+    """A graph kept alive with every kind of hook the census watches: a
+    non-leaf tensor hook, retain_grad, Python pre- and post-hooks on a node,
+    a leaf tensor hook and a post-accumulate-grad hook. Returns the loss,
+    the leaf, the tensor that retains its grad, and what the hooks saw."""
+    leaf = torch.randn(3, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    seen = []
+    mid = leaf.cos()
+    mid.register_hook(lambda g: seen.append("tensor") or g * 2)
+    mid.retain_grad()
+    out = mid.exp()
+    out.grad_fn.register_prehook(lambda gs: seen.append("pre") or None)
+    out.grad_fn.register_hook(lambda gi, go: seen.append("post") or None)
+    leaf.register_hook(lambda g: seen.append("leaf") or g + 1)
+    leaf.register_post_accumulate_grad_hook(lambda t: seen.append("acc"))
+    return out.sum(), leaf, mid, seen
+
+
+def test_hooks_on_another_graph_do_not_turn_the_guard_off():
+    loss, leaf, mid, seen = _hooked_graph()
+    x = torch.randn(3, requires_grad=True)
+    for _ in range(3):
+        _assert_same(lambda: x.exp().sin().sum(), [x])
+    assert _counts() == (1, 2, 2)
+    # the hooked graph itself: every hook runs, in eager's order, with eager's gradients
+    e_loss, e_leaf, e_mid, e_seen = _hooked_graph()
+    e_loss.backward()
+    with cagrad.enable("eager"):
+        loss.backward()
+    assert seen == e_seen and sorted(seen) == ["acc", "leaf", "post", "pre", "tensor"]
+    assert torch.equal(leaf.grad, e_leaf.grad)
+    assert torch.equal(mid.grad, e_mid.grad)
+    assert _counts()[2] == 2
+
+
+@pytest.mark.parametrize("kind", ["tensor", "retain_grad", "prehook", "posthook", "leaf", "post_accumulate"])
+def test_a_hook_on_the_guarded_graph_is_a_miss_while_others_are_live(kind):
+    """With hooks live elsewhere the guard is tried, and it must find a hook
+    on its own graph however it was registered."""
+    keep = _hooked_graph()
+    w = torch.randn(3, requires_grad=True)
+    seen = []
+
+    def fwd(hooked):
+        mid = w.sin()
+        out = mid.exp()
+        if hooked:
+            if kind == "tensor":
+                mid.register_hook(lambda g: seen.append(1) or g * 3)
+            elif kind == "retain_grad":
+                mid.retain_grad()
+                seen.append(mid)
+            elif kind == "prehook":
+                out.grad_fn.register_prehook(lambda gs: seen.append(1) or (gs[0] * 3,))
+            elif kind == "posthook":
+                out.grad_fn.register_hook(lambda gi, go: seen.append(1) or (gi[0] * 3,))
+        return out.sum()
+
+    _assert_same(lambda: fwd(False), [w])
+    _assert_same(lambda: fwd(False), [w])
+    assert _counts() == (1, 1, 1)
+    # the leaf's hooks are the leaf's: registered once for both runs
+    if kind == "leaf":
+        w.register_hook(lambda g: seen.append(1) or g * 3)
+    elif kind == "post_accumulate":
+        w.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.mul_(3)) and None)
+    _assert_same(lambda: fwd(True), [w])  # eager's run, then cagrad's
+    assert len(seen) == 2
+    if kind == "retain_grad":
+        assert torch.equal(seen[1].grad, seen[0].grad)
+    assert _counts()[2] == 1
+    del keep
+
+
+def test_without_the_hook_reader_live_hooks_turn_every_guard_off(monkeypatch):
+    from cagrad.autograd import _hook_counts
+
+    monkeypatch.setattr(_hook_counts, "counts_fn", lambda: None)
+    monkeypatch.setattr(native, "hookless_fn", lambda: None)
+    x = torch.randn(3, requires_grad=True)
+    _assert_same(lambda: x.exp().sin().sum(), [x])
+    _assert_same(lambda: x.exp().sin().sum(), [x])
+    assert _counts() == (1, 1, 1)
+    keep = _hooked_graph()
+    _assert_same(lambda: x.exp().sin().sum(), [x])
+    assert _counts() == (1, 2, 1)  # a hit, through the full collection
+    del keep
+    gc.collect()
+    _assert_same(lambda: x.exp().sin().sum(), [x])
+    assert _counts() == (1, 3, 2)
+
+
 @pytest.mark.parametrize(
     "dynamic, counts",
     [

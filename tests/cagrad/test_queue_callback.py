@@ -193,9 +193,9 @@ def test_register_multi_grad_hook_fires_once_per_backward(mode):
             # hc is not in this graph: mode "all" fires with its grad None
             (ha * hb).sum().backward(retain_graph=True)
         # the hook's closure and the graph hold each other through C++ nodes,
-        # which gc cannot collect: a hook left registered keeps the census
-        # seeing a live hook, and every later test in this process without
-        # a guarded hit (cagrad.keys.hit_path.census_allows)
+        # which gc cannot collect: a hook left registered stays live for the
+        # rest of the process (without the C++ extension, no later test
+        # would take a guarded hit: cagrad.keys.hit_path.census_allows)
         handle.remove()
         return [a.grad, b.grad]
 
