@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from . import engine
+from .capture import leaf_hook_groups
 from .compile.backends import CompilerFn
 from .compile.cuda_graphs import check_mode
 from .compiled_backward import CollectedBackward, check_supported_mode, collect_backward, trace_with_retries
@@ -95,8 +96,9 @@ def enable(
     Raises:
         TypeError / ValueError: for a ``compiler_fn`` that is neither a
             registered backend name nor a callable (on entering); an
-            unknown ``mode`` or a ``dynamic`` other than None, True and
-            False (ValueError, at once).
+            unknown ``mode``, a ``dynamic`` other than None, True and
+            False, or a ``CAGRAD_LEAF_HOOK_GROUP_BYTES`` that is not a
+            number of bytes (ValueError, at once).
         RuntimeError: on leaving contexts out of order, or from another
             thread (the context stays open and can still be left properly).
         cagrad.CacheFileError: from a backward whose file in the cache
@@ -108,6 +110,7 @@ def enable(
     """
     if dynamic not in (None, True, False):
         raise ValueError(f"cagrad.enable: dynamic must be None, True or False, not {dynamic!r}")
+    leaf_hook_groups.group_bytes()  # a malformed setting fails here, not at a capture
     return _Enabled(compiler_fn, dynamic, check_mode(mode), cache_dir)
 
 

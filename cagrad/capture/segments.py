@@ -43,7 +43,7 @@ import torch.fx
 from ..autograd.accumulate import dense_strides
 from ..autograd.walk import MUST_BE_NONE
 from ..counters import counters
-from . import runtime_ops
+from . import leaf_hook_groups, runtime_ops
 from .compiler import OPAQUE_TARGETS, PLACEHOLDERS
 
 log = logging.getLogger("cagrad")
@@ -221,7 +221,9 @@ def split(gm: torch.fx.GraphModule, to_value: Callable[[Any], Callable[..., int]
     groups: list[list[torch.fx.Node] | OpaqueStep] = []
     current: list[torch.fx.Node] = []
     output_node = None
-    for node in graph.nodes:
+    # the accumulations of leaves with only C++ hooks (DDP's) may wait and
+    # run in groups: fewer, longer segments (see leaf_hook_groups)
+    for node in leaf_hook_groups.ordered_nodes(graph, OPAQUE_TARGETS):
         if node.op == "placeholder":
             continue
         if node.op == "output":

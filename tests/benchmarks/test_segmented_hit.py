@@ -4,9 +4,12 @@ against the full collection, and eager's backward, in one run.
 Run with ``tox -e bench -- -k segmented_hit``. The workload is the bench's
 ``ddp_mlp`` (an 8-layer MLP under ``DistributedDataParallel`` in a process
 group of one, gloo on 127.0.0.1): the reducer's C++ hooks on every weight's
-AccumulateGrad make the backward segmented. The three variants are one
-group, so the table gives their ratios. "full path" tries no guard while
-C++ hooks are live, as cagrad did before these guards.
+AccumulateGrad make the backward segmented. The variants are one group, so
+the table gives their ratios. "guarded" runs the accumulations and reducer
+hooks in groups (:mod:`cagrad.capture.leaf_hook_groups`), "guarded, per
+leaf" each right away (``CAGRAD_LEAF_HOOK_GROUP_BYTES=0``: a segment per
+accumulation); "full path" tries no guard while C++ hooks are live, as
+cagrad did before these guards.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ def _no_guard_with_cpp_hooks(census) -> bool:
     return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
 
 
-@pytest.mark.parametrize("path", ["eager", "guarded", "full path"])
+@pytest.mark.parametrize("path", ["eager", "guarded", "guarded, per leaf", "full path"])
 @pytest.mark.parametrize("workload", ["ddp_mlp"])
 def test_segmented_hit(benchmark, monkeypatch, workload, path):
     if path == "full path":
         monkeypatch.setattr(hit_path, "census_allows", _no_guard_with_cpp_hooks)
+    if path == "guarded, per leaf":
+        monkeypatch.setenv("CAGRAD_LEAF_HOOK_GROUP_BYTES", "0")
     torch.manual_seed(0)
     wl = workloads.WORKLOADS[workload]("cpu")
     cagrad.reset()
@@ -50,4 +55,4 @@ def test_segmented_hit(benchmark, monkeypatch, workload, path):
     if path != "eager":
         guarded = cagrad.counters["guard_hits"]
         assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] >= 200
-        assert guarded == (cagrad.counters["cache_hits"] if path == "guarded" else 0)
+        assert guarded == (0 if path == "full path" else cagrad.counters["cache_hits"])

@@ -35,6 +35,7 @@ def _ddp_steps(variant: str, use_cagrad: bool, backend: str, rank: int) -> list:
         accumulate = variant == "no_sync" and step < 2
         with contextlib.ExitStack() as stack:
             if use_cagrad:
+                stack.enter_context(_group_bytes(_GROUP_BYTES.get(variant)))
                 stack.enter_context(cagrad.enable(backend))
             if accumulate:
                 stack.enter_context(ddp.no_sync())
@@ -44,6 +45,26 @@ def _ddp_steps(variant: str, use_cagrad: bool, backend: str, rank: int) -> list:
             for p in m.parameters():
                 p.grad = None
     return out
+
+
+# the accumulations' groups (cagrad.capture.leaf_hook_groups): the
+# default (one group: the MLP's gradients are 3.5 KiB), two groups
+# (b2, W2, b1 add up to 336 bytes), one segment per accumulation
+_GROUP_BYTES = {"grouped": "300", "per_leaf": "0"}
+
+
+@contextlib.contextmanager
+def _group_bytes(value: str | None):
+    before = os.environ.get("CAGRAD_LEAF_HOOK_GROUP_BYTES")
+    if value is not None:
+        os.environ["CAGRAD_LEAF_HOOK_GROUP_BYTES"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CAGRAD_LEAF_HOOK_GROUP_BYTES", None)
+        else:
+            os.environ["CAGRAD_LEAF_HOOK_GROUP_BYTES"] = before
 
 
 def _fsdp_steps(variant: str, use_cagrad: bool, backend: str, rank: int) -> list:

@@ -3,7 +3,8 @@
 Two processes (spawned, gloo on 127.0.0.1, a free port) train the same
 model on different data, in eager and under ``cagrad.enable``, for the DDP
 variants (default, ``static_graph``, ``find_unused_parameters``,
-``no_sync()`` accumulation) and FSDP2 (``fully_shard``, with and without
+``no_sync()`` accumulation, the reducer's hooks in two groups and one by
+one) and FSDP2 (``fully_shard``, with and without
 ``reshard_after_forward``, and gradient accumulation). DDP's reducer hooks
 are C++ hooks that cagrad runs as opaque calls: skipping them leaves each
 rank with its local gradient, which differs from eager's by far more than
@@ -34,6 +35,8 @@ CASES = [
     ("ddp", "static_graph", "eager"),
     ("ddp", "find_unused", "eager"),
     ("ddp", "no_sync", "eager"),
+    ("ddp", "grouped", "eager"),
+    ("ddp", "per_leaf", "eager"),
     ("ddp", "default", "aot_eager"),
     ("fsdp2", "reshard", "eager"),
     ("fsdp2", "no_reshard", "eager"),
@@ -89,3 +92,12 @@ def test_every_rank_matches_eager_and_compiles(reports, case):
             # CAGRAD_VERIFY_GUARDS, which the ranks inherit); find_unused's
             # outputs pass through DDP's _DDPSink, a custom Function
             assert counters["guard_hits"] == counters["cache_hits"], counters
+        variant = case.split(":")[1]
+        if case.startswith("ddp:") and variant in ("default", "grouped", "per_leaf"):
+            # segments compiled per capture: the reducer's hooks run in
+            # groups of accumulations (cagrad.capture.leaf_hook_groups); the
+            # MLP's 4 accumulations make 1 group by default, 2 at 300 bytes,
+            # and one segment before each at 0 bytes (static_graph's first
+            # backward passes through _DDPSink, a custom Function: no groups)
+            per_capture = counters["backend_compiles"] / counters["captures"]
+            assert per_capture == {"default": 1, "grouped": 2, "per_leaf": 4}[variant], counters

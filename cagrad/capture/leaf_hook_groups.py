@@ -1,0 +1,127 @@
+"""Grouping the accumulations of leaves whose only hooks are C++ post hooks.
+
+DDP's reducer adds a C++ post hook to every parameter's AccumulateGrad
+(:mod:`cagrad.hooks.cpp_hooks`), so a DDP backward's graph has an opaque
+accumulation, then an opaque call of the reducer's hooks, for every
+parameter; cut at each of them (:func:`cagrad.capture.segments.split`), an
+8-layer MLP became 16 segments of a few ops each, and their calls cost more
+than the ops.
+
+Where every opaque call of a graph is such an accumulation or such hooks,
+nothing the user wrote runs between them and the tensor ops: the reducer's
+hook reads its own parameter's ``.grad`` and marks it ready; when all of a
+bucket's parameters are ready it launches the bucket's allreduce. Their
+effects depend on the order of the accumulations and hooks, which eager's
+run order fixes, and not on where the tensor ops fall between them. So
+:func:`ordered_nodes` moves each accumulation and its hooks later, in their
+order, to the first point where the gradients still waiting add up to
+:func:`group_bytes`; the tensor ops between merge into one segment. The
+gradients and every ``.grad`` are eager's; what changes is when each bucket's
+allreduce can start: at most ``group_bytes`` of gradients later than in
+eager. The default, 1 MiB, is DDP's first bucket's size
+(``torch.distributed`` ``_DEFAULT_FIRST_BUCKET_BYTES``; later buckets are
+25 MiB), so communication still overlaps the backward's compute.
+
+``CAGRAD_LEAF_HOOK_GROUP_BYTES`` sets the size in bytes at capture (0: a
+segment per accumulation, as before).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import torch.fx
+
+from . import runtime_ops
+
+DEFAULT_GROUP_BYTES = 1 << 20
+
+# the opaque calls that may move later: a leaf's accumulation without
+# Python post-accumulate-grad hooks, and C++ post hooks on a leaf
+_MOVABLE = (runtime_ops.accumulate, runtime_ops.cpp_post_hooks)
+
+
+def group_bytes() -> int:
+    """The gradient bytes after which waiting accumulations run
+    (``CAGRAD_LEAF_HOOK_GROUP_BYTES``, default 1 MiB; 0 turns grouping off).
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    text = os.environ.get("CAGRAD_LEAF_HOOK_GROUP_BYTES", "")
+    if not text:
+        return DEFAULT_GROUP_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"CAGRAD_LEAF_HOOK_GROUP_BYTES={text!r}: expected a number of bytes (0 or more)")
+    return value
+
+
+def _movable(node: torch.fx.Node, opaque: frozenset) -> bool | None:
+    """True: a movable opaque call; False: another opaque call; None: not opaque."""
+    if node.op != "call_function" or node.target not in opaque:
+        return None
+    if node.target is runtime_ops.accumulate and (len(node.args) != 3 or node.args[2] is not None):
+        return False  # Python post-accumulate-grad hooks: user code
+    return node.target in _MOVABLE and not node.users
+
+
+def _grad_bytes(node: torch.fx.Node) -> int | None:
+    """The bytes of an accumulation's gradient, from the trace's value;
+    None where unknown (symbolic sizes)."""
+    grad = node.args[1]
+    val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return 0 if grad is None else None
+    try:
+        return int(val.numel()) * val.element_size()
+    except (TypeError, ValueError, RuntimeError):  # a SymInt without a hint
+        return None
+
+
+def _reads_placeholder(node: torch.fx.Node) -> bool:
+    """An item read of a placeholder (the graph's inputs, hooks, sizes):
+    where it stands does not cut the graph, and a group must not end
+    between an accumulation and its hooks at the read of those hooks."""
+    return node.op == "placeholder" or (
+        node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "placeholder"
+    )
+
+
+def ordered_nodes(graph: torch.fx.Graph, opaque: frozenset) -> list[torch.fx.Node]:
+    """``graph``'s nodes in the order :func:`~cagrad.capture.segments.split`
+    cuts them: as they are, unless every opaque call (``opaque``: the
+    targets that are) is a movable accumulation or C++ leaf hooks; then each
+    moves later as the module docstring says. A move keeps every node after
+    its inputs: a moved call's result has no users.
+
+    Raises:
+        ValueError: ``CAGRAD_LEAF_HOOK_GROUP_BYTES`` is malformed.
+    """
+    nodes = list(graph.nodes)
+    kinds = [_movable(n, opaque) for n in nodes]
+    if False in kinds or True not in kinds:
+        return nodes
+    limit = group_bytes()
+    if limit == 0:
+        return nodes
+    out: list[torch.fx.Node] = []
+    waiting: list[torch.fx.Node] = []
+    waiting_bytes = 0
+    for node, kind in zip(nodes, kinds):
+        if kind:
+            waiting.append(node)
+            if node.target is runtime_ops.accumulate:
+                size = _grad_bytes(node)
+                waiting_bytes += limit if size is None else size
+            continue
+        if waiting and (waiting_bytes >= limit and not _reads_placeholder(node) or node.op == "output"):
+            out.extend(waiting)
+            waiting, waiting_bytes = [], 0
+        out.append(node)
+    out.extend(waiting)  # none: the output node comes last
+    return out

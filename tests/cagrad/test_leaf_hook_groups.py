@@ -1,0 +1,102 @@
+"""The order in which a graph with only C++-hooked accumulations is cut
+(:mod:`cagrad.capture.leaf_hook_groups`), on graphs built here. End to end
+(DDP's reducer, gradients against eager's, segments per capture):
+``test_distributed.py``'s ``grouped`` and ``per_leaf`` cases."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx
+
+from cagrad.capture import leaf_hook_groups, runtime_ops
+from cagrad.capture.compiler import OPAQUE_TARGETS
+
+
+def _graph(grad_sizes, other_opaque=None, post_hooks=False):
+    """inputs -> a chain of ops; after op k, leaf k's accumulation of its
+    result (``grad_sizes[k]`` float32 elements, None: no traced value) and
+    the leaf's C++ hooks, each read from ``hooks`` just before its call, as
+    the capture writes them."""
+    g = torch.fx.Graph()
+    inputs, hooks = g.placeholder("inputs"), g.placeholder("hooks")
+    g.placeholder("sizes")
+    x = g.call_function(operator.getitem, (inputs, 0))
+    ops = []
+    for k, n in enumerate(grad_sizes):
+        x = g.call_function(torch.ops.aten.sin.default, (x,))
+        if n is not None:
+            x.meta["val"] = torch.empty(n)
+        ops.append(x)
+        leaf = g.call_function(operator.getitem, (hooks, 2 * k))
+        post = g.call_function(operator.getitem, (hooks, 99)) if post_hooks and k == 1 else None
+        g.call_function(runtime_ops.accumulate, (leaf, x, post))
+        if k == other_opaque:
+            g.call_function(runtime_ops.tensor_pre_hooks, (leaf, x))
+        cpp = g.call_function(operator.getitem, (hooks, 2 * k + 1))
+        g.call_function(runtime_ops.cpp_post_hooks, (cpp,))
+    g.output([x])
+    return g, ops
+
+
+def _kinds(order):
+    """The order as letters: s (a tensor op), a (accumulate), h (hooks);
+    item reads and placeholders left out."""
+    letter = {torch.ops.aten.sin.default: "s", runtime_ops.accumulate: "a", runtime_ops.cpp_post_hooks: "h"}
+    return "".join(letter[n.target] for n in order if n.target in letter)
+
+
+@pytest.fixture
+def limit(monkeypatch):
+    def set_to(value):
+        monkeypatch.setenv("CAGRAD_LEAF_HOOK_GROUP_BYTES", str(value))
+
+    return set_to
+
+
+def test_accumulations_wait_until_their_gradients_reach_the_limit(limit):
+    g, _ = _graph([10, 10, 10, 10, 10])  # 40 bytes each
+    limit(80)
+    order = leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS)
+    # groups of two gradients (80 bytes), the last one before the output
+    assert _kinds(order) == "ss" + "ahah" + "ss" + "ahah" + "s" + "ah"
+    assert order[-1].op == "output"
+    _assert_topological(order)
+    moved = [n for n in order if n.target in (runtime_ops.accumulate, runtime_ops.cpp_post_hooks)]
+    assert moved == [n for n in g.nodes if n.target in (runtime_ops.accumulate, runtime_ops.cpp_post_hooks)]
+
+
+def test_the_default_limit_puts_a_small_graphs_accumulations_last(monkeypatch):
+    monkeypatch.delenv("CAGRAD_LEAF_HOOK_GROUP_BYTES", raising=False)
+    assert leaf_hook_groups.group_bytes() == 1 << 20
+    g, _ = _graph([10, 10, 10])
+    assert _kinds(leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS)) == "sss" + "ahahah"
+
+
+def test_a_gradient_of_unknown_size_closes_its_group(limit):
+    g, _ = _graph([10, None, 10, 10])
+    limit(1000)
+    assert _kinds(leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS)) == "ss" + "ahah" + "ss" + "ahah"
+
+
+@pytest.mark.parametrize("case", ["other_opaque", "post_hooks", "zero"])
+def test_graphs_with_user_code_between_or_a_zero_limit_keep_their_order(limit, case):
+    g, _ = _graph([10, 10, 10], other_opaque=1 if case == "other_opaque" else None, post_hooks=case == "post_hooks")
+    limit(0 if case == "zero" else 1000)
+    assert leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS) == list(g.nodes)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5"])
+def test_a_malformed_limit_is_an_error_that_names_the_variable(limit, value):
+    limit(value)
+    with pytest.raises(ValueError, match="CAGRAD_LEAF_HOOK_GROUP_BYTES"):
+        leaf_hook_groups.group_bytes()
+
+
+def _assert_topological(order):
+    seen = set()
+    for node in order:
+        assert all(a in seen for a in node.all_input_nodes), node
+        seen.add(node)
