@@ -10,9 +10,12 @@ this project's CPU the DDP MLP's 42 nodes took 0.65 ms of its 2.4 ms).
 A :class:`LeafHooks` extends a graph's :class:`~cagrad.keys.hit_path.HitGuard`
 to these graphs. The generated function checks everything but the hooked
 nodes' hook lists, as for any graph; then :meth:`LeafHooks.collect` reads
-each hooked leaf's hooks as the full collection reads them
-(``Census.hooks_of`` and ``Census.check_invisible``) and requires exactly
-what the capture saw: only C++ post hooks, as many as then. Every other
+each hooked leaf's hooks and requires exactly what the capture saw: only
+C++ post hooks, as many as then, and as many known to
+:mod:`cagrad.hooks.cpp_hooks`. It reads the hook lists in C++ (one call per
+leaf, the reader the full collection's ``Census.check_invisible`` uses)
+and the leaf's own hook dicts; without the C++ reader, as the full
+collection reads them (``Census.hooks_of`` and ``check_invisible``). Every other
 leaf must have none that cagrad knows of. It then builds the runtime
 objects (leaf variables and hook tuples) in the order the collector
 appends them, which is the order the compiled segments read them. Any
@@ -56,31 +59,65 @@ class LeafHooks:
         are not the captured ones.
 
         ``census``: the backward's :class:`~cagrad.hooks.hooks_census.Census`
-        (no live Python node hook or tensor hook; its C++ hook reader set).
+        (its C++ hook reader, ``counts``, reads the hooked leaves' hook
+        lists where it is built).
         """
         found_at: dict[int, tuple] = {}
+        counts = census.counts
         for pos, count in self.hooked:
             node = order[pos]
-            found = census.hooks_of(node, True)
-            if (
-                found is None
-                or len(found.cpp_post) != count
-                or found.tensor_pre
-                or found.retain_grad
-                or found.pre is not None
-                or found.post is not None
-                or found.post_accumulate is not None
-            ):
+            hooks = _cpp_posts_only(node, count, counts) if counts is not None else _census_posts_only(node, count, census)
+            if hooks is None:
                 return None
-            try:
-                census.check_invisible(node, found, True, "AccumulateGrad")
-            except Unsupported:
-                return None
-            found_at[pos] = found.cpp_post
+            found_at[pos] = hooks
         for pos in self.plain:
             if cpp_hooks.post_hooks_of(order[pos].variable):
                 return None
         return [found_at[pos] if hooks else order[pos].variable for pos, hooks in self.objects]
+
+
+# what the C++ reader returns for a node whose only hooks are ``n`` C++
+# post hooks (cagrad.autograd._hook_counts: foreign and Python tensor
+# pre-hooks, retains-grad outputs, foreign and Python pre-hooks, foreign
+# and Python post-hooks, a foreign post-accumulate hook, its Python dict)
+def _only_cpp_posts(n: int) -> tuple:
+    return (0, (), (), 0, (), n, (), 0, None)
+
+
+def _cpp_posts_only(node: Any, count: int, counts: Any) -> tuple | None:
+    """The leaf's C++ post hooks if its AccumulateGrad has exactly ``count``
+    of them and no other hook, read from its hook lists in C++ (which the
+    full path's ``check_invisible`` reads too: any Python hook of the leaf,
+    a tensor hook or a post-accumulate hook included, is in them) and from
+    the leaf's own hook dicts; else None."""
+    if counts(node, True) != _only_cpp_posts(count):
+        return None
+    variable = node.variable
+    if variable._backward_hooks or getattr(variable, "_post_accumulate_grad_hooks", None):
+        return None
+    hooks = cpp_hooks.post_hooks_of(variable)
+    return hooks if len(hooks) == count else None
+
+
+def _census_posts_only(node: Any, count: int, census: Any) -> tuple | None:
+    """:func:`_cpp_posts_only` as the full collection reads it
+    (``Census.hooks_of``, ``Census.check_invisible``)."""
+    found = census.hooks_of(node, True)
+    if (
+        found is None
+        or len(found.cpp_post) != count
+        or found.tensor_pre
+        or found.retain_grad
+        or found.pre is not None
+        or found.post is not None
+        or found.post_accumulate is not None
+    ):
+        return None
+    try:
+        census.check_invisible(node, found, True, "AccumulateGrad")
+    except Unsupported:
+        return None
+    return found.cpp_post
 
 
 def plan(collected: Any) -> LeafHooks | str:

@@ -69,6 +69,8 @@ class _Census:
     """Stands in for a Census: the hooks each node has, and whether the
     C++ hook lists agree."""
 
+    counts = None  # no C++ reader: collect() reads the leaves' hooks through the census
+
     def __init__(self, found: dict, invisible: bool = False) -> None:
         self.found = found
         self.invisible = invisible
@@ -150,3 +152,65 @@ def test_a_guarded_backward_reads_as_the_collected_one() -> None:
     assert all(guarded.will_execute(n) for n in order if n is not None)
     with pytest.raises(RuntimeError, match="lifted"):
         GuardedBackward(call, hit, slots[1:], [], False)
+
+
+@pytest.fixture
+def ddp():
+    """A DDP Linear in a process group of one (gloo, an in-memory store):
+    its reducer's C++ post hooks are on both parameters' AccumulateGrad."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        yield nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def _step(model, compiled: bool) -> list:
+    import cagrad
+
+    for p in model.parameters():
+        p.grad = None
+    loss = model(torch.arange(8.0).reshape(2, 4)).square().sum()
+    if compiled:
+        with cagrad.enable("eager"):
+            loss.backward()
+    else:
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", ["none", "tensor hook", "node post hook", "post-accumulate hook"])
+def test_a_hook_added_to_a_ddp_leaf_is_a_miss_read_in_cpp(ddp, case) -> None:
+    """The C++ reader's check of a hooked leaf (``counts`` is set): any hook
+    but the reducer's makes the guard miss, and the full path runs it."""
+    import cagrad
+
+    if Census().counts is None:
+        pytest.skip("no C++ compiler: hooked leaves get no guard")
+    cagrad.reset()
+    for _ in range(2):
+        _step(ddp, True)
+    assert (cagrad.counters["captures"], cagrad.counters["guard_hits"]) == (1, 1)
+    weight = ddp.module.weight
+    seen = []
+    if case == "tensor hook":
+        weight.register_hook(lambda g: seen.append(1) or g * 2)
+    elif case == "node post hook":
+        acc = weight.view_as(weight).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda gi, go: seen.append(1) or None)
+    elif case == "post-accumulate hook":
+        weight.register_post_accumulate_grad_hook(lambda p: seen.append(1) or None)
+    got = _step(ddp, True)
+    want = _step(ddp, False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert len(seen) == (0 if case == "none" else 2)
+    assert cagrad.counters["guard_hits"] == (2 if case == "none" else 1)
