@@ -213,7 +213,8 @@ class FoundHooks:
 
 
 class Census:
-    """What one backward must look for; decided once per backward.
+    """What one backward must look for; decided once per backward, before
+    any of its hooks runs.
 
     Attributes:
         probe_nodes: some node hook dict is non-empty somewhere, so every
@@ -224,16 +225,33 @@ class Census:
             each is claimed while collected (see :mod:`cagrad.autograd.saved_variables`).
         counts: the C++ reader of a node's hook lists
             (:mod:`cagrad.autograd._hook_counts`), or None when detection is off.
+
+    ``probe_nodes`` and ``tensor_hooks`` scan every live hook dict, so they
+    are read on first use: a guarded hit, which reads the C++ hook lists of
+    its own nodes instead, never scans them. The full collection reads them
+    before any hook of the backward runs.
     """
 
-    __slots__ = ("probe_nodes", "tensor_hooks", "claim_slots", "cpp_hooks", "counts")
+    __slots__ = ("_probe_nodes", "_tensor_hooks", "claim_slots", "cpp_hooks", "counts")
 
     def __init__(self) -> None:
         self.counts = _hook_counts.counts_fn()  # None: detection off
         self.cpp_hooks = cpp_hooks.any_live()
         self.claim_slots = saved_variables.any_foreign_hooks()
-        self.probe_nodes = _node_hook_dicts.any_nonempty()
-        self.tensor_hooks = bool(_retaining_tensors) or _tensor_hook_dicts.any_nonempty()
+        self._probe_nodes: bool | None = None
+        self._tensor_hooks: bool | None = None
+
+    @property
+    def probe_nodes(self) -> bool:
+        if self._probe_nodes is None:
+            self._probe_nodes = _node_hook_dicts.any_nonempty()
+        return self._probe_nodes
+
+    @property
+    def tensor_hooks(self) -> bool:
+        if self._tensor_hooks is None:
+            self._tensor_hooks = bool(_retaining_tensors) or _tensor_hook_dicts.any_nonempty()
+        return self._tensor_hooks
 
     def hooks_of(self, node: Any, is_leaf_sink: bool) -> FoundHooks | None:
         """The hooks ``node`` runs, or None if it runs none."""
