@@ -17,6 +17,8 @@ import cagrad
 from cagrad.keys import hit_path
 from harness.bench import workloads
 
+from .hits import process_wide_gate, time_backward
+
 pytestmark = pytest.mark.benchmark
 
 
@@ -30,33 +32,16 @@ def _hooked_graph() -> torch.Tensor:
     return out
 
 
-def _gate_process_wide(census) -> bool:
-    return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
-
-
 @pytest.mark.parametrize("path", ["eager", "guarded", "full path"])
 @pytest.mark.parametrize("workload", ["mlp"])
 def test_hooks_elsewhere(benchmark, monkeypatch, workload, path):
     if path == "full path":
-        monkeypatch.setattr(hit_path, "census_allows", _gate_process_wide)
+        monkeypatch.setattr(hit_path, "census_allows", process_wide_gate)
     torch.manual_seed(0)
     wl = workloads.WORKLOADS[workload]("cpu")
     keep = _hooked_graph()
     cagrad.reset()
-    holder = {}
-
-    def setup():
-        holder["loss"] = wl.step(wl.model)
-
-    if path == "eager":
-        run = lambda: holder["loss"].backward()  # noqa: E731
-    else:
-
-        def run():
-            with cagrad.enable("eager"):
-                holder["loss"].backward()
-
-    benchmark.pedantic(run, setup=setup, rounds=300, warmup_rounds=5)
+    time_backward(benchmark, wl, path != "eager", 300)
     if path != "eager":
         c = cagrad.counters
         assert c["fallbacks"] == 0 and c["cache_hits"] >= 300

@@ -21,37 +21,22 @@ import cagrad
 from cagrad.keys import hit_path
 from harness.bench import workloads
 
+from .hits import process_wide_gate, time_backward
+
 pytestmark = pytest.mark.benchmark
-
-
-def _no_guard_with_cpp_hooks(census) -> bool:
-    return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
 
 
 @pytest.mark.parametrize("path", ["eager", "guarded", "guarded, per leaf", "full path"])
 @pytest.mark.parametrize("workload", ["ddp_mlp"])
 def test_segmented_hit(benchmark, monkeypatch, workload, path):
     if path == "full path":
-        monkeypatch.setattr(hit_path, "census_allows", _no_guard_with_cpp_hooks)
+        monkeypatch.setattr(hit_path, "census_allows", process_wide_gate)
     if path == "guarded, per leaf":
         monkeypatch.setenv("CAGRAD_LEAF_HOOK_GROUP_BYTES", "0")
     torch.manual_seed(0)
     wl = workloads.WORKLOADS[workload]("cpu")
     cagrad.reset()
-    holder = {}
-
-    def setup():
-        holder["loss"] = wl.step(wl.model)
-
-    if path == "eager":
-        run = lambda: holder["loss"].backward()  # noqa: E731
-    else:
-
-        def run():
-            with cagrad.enable("eager"):
-                holder["loss"].backward()
-
-    benchmark.pedantic(run, setup=setup, rounds=200, warmup_rounds=5)
+    time_backward(benchmark, wl, path != "eager", 200)
     if path != "eager":
         guarded = cagrad.counters["guard_hits"]
         assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] >= 200
