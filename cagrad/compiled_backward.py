@@ -411,7 +411,10 @@ def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> Guarded
         if census.claim_slots and hit_path.has_foreign_saved_hooks(hit):
             return None
         objects = None
-        if cpp_hooks:  # the leaves' hooks are part of what the guard accepts
+        if leaves.hooked:  # their hooks are part of what the guard accepts
+            # (a graph without hooked leaves: the guard's _hookless found no
+            # C++ hook on any of its leaves; its objects only matter if its
+            # entry is segmented, below)
             objects = leaves.collect(hit.order, census)
             if objects is None:
                 continue
@@ -422,7 +425,7 @@ def _try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> Guarded
         if found[0].segmented is None:
             objects = None
         elif objects is None:
-            objects = leaves.collect(hit.order, census)  # no C++ hook was live at the census
+            objects = leaves.collect(hit.order, census)  # no hooked leaves: the leaf variables
             if objects is None:
                 return None
         if i:

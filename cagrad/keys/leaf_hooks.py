@@ -126,8 +126,9 @@ def plan(collected: Any) -> LeafHooks | str:
     Its nodes must be traced nodes and leaves' AccumulateGrad only, and no
     code of the user's may run (no Python hook of any kind, no custom
     Function, no node run as it is). A graph without hooks gets one with
-    nothing ``hooked``: where C++ hooks on leaves are live in the process,
-    its leaves must still have none.
+    nothing ``hooked`` (the guard's own check of hook lists finds a C++
+    hook any of its leaves gained; :meth:`LeafHooks.collect` is asked for
+    its objects only where its entry is segmented).
     """
     collector = collected.collector
     hooked: list[tuple[int, int]] = []

@@ -214,3 +214,39 @@ def test_a_hook_added_to_a_ddp_leaf_is_a_miss_read_in_cpp(ddp, case) -> None:
         assert torch.equal(a, b)
     assert len(seen) == (0 if case == "none" else 2)
     assert cagrad.counters["guard_hits"] == (2 if case == "none" else 1)
+
+
+def test_a_plain_graph_is_guarded_beside_ddp_and_misses_once_its_leaves_gain_cpp_hooks() -> None:
+    """A graph without hooked leaves is tried while the reducer's hooks are
+    live: its guard's own check of hook lists finds C++ hooks its leaves
+    gained (here by wrapping its module in DDP after the capture)."""
+    import torch.distributed as dist
+
+    import cagrad
+
+    if Census().counts is None:
+        pytest.skip("no C++ compiler: no guard is tried while C++ hooks are live")
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        other = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))  # C++ hooks live in the process
+        plain = nn.Linear(4, 3)
+        cagrad.reset()
+        for _ in range(2):
+            got = _step(plain, True)
+        assert (cagrad.counters["captures"], cagrad.counters["guard_hits"]) == (1, 1)
+        for a, b in zip(got, _step(plain, False)):
+            assert torch.equal(a, b)
+        wrapped = nn.parallel.DistributedDataParallel(plain)  # reducer hooks on plain's leaves now
+        got = _step(plain, True)
+        for a, b in zip(got, _step(plain, False)):
+            assert torch.equal(a, b)
+        assert cagrad.counters["guard_hits"] == 1
+        del other, wrapped
+    finally:
+        if own:
+            dist.destroy_process_group()
