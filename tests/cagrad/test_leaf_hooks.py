@@ -155,9 +155,8 @@ def test_a_guarded_backward_reads_as_the_collected_one() -> None:
 
 
 @pytest.fixture
-def ddp():
-    """A DDP Linear in a process group of one (gloo, an in-memory store):
-    its reducer's C++ post hooks are on both parameters' AccumulateGrad."""
+def process_group():
+    """A process group of one (gloo, an in-memory store), unless one runs."""
     import torch.distributed as dist
 
     if not dist.is_available():
@@ -166,11 +165,18 @@ def ddp():
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        yield nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
+        yield
     finally:
         if own:
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def ddp(process_group):
+    """A DDP Linear: its reducer's C++ post hooks are on both parameters'
+    AccumulateGrad."""
+    torch.manual_seed(0)
+    return nn.parallel.DistributedDataParallel(nn.Linear(4, 3))
 
 
 def _step(model, compiled: bool) -> list:
@@ -216,37 +222,26 @@ def test_a_hook_added_to_a_ddp_leaf_is_a_miss_read_in_cpp(ddp, case) -> None:
     assert cagrad.counters["guard_hits"] == (2 if case == "none" else 1)
 
 
-def test_a_plain_graph_is_guarded_beside_ddp_and_misses_once_its_leaves_gain_cpp_hooks() -> None:
+def test_a_plain_graph_is_guarded_beside_ddp_and_misses_once_its_leaves_gain_cpp_hooks(process_group) -> None:
     """A graph without hooked leaves is tried while the reducer's hooks are
     live: its guard's own check of hook lists finds C++ hooks its leaves
     gained (here by wrapping its module in DDP after the capture)."""
-    import torch.distributed as dist
-
     import cagrad
 
     if Census().counts is None:
         pytest.skip("no C++ compiler: no guard is tried while C++ hooks are live")
-    if not dist.is_available():
-        pytest.skip("needs torch.distributed")
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        other = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))  # C++ hooks live in the process
-        plain = nn.Linear(4, 3)
-        cagrad.reset()
-        for _ in range(2):
-            got = _step(plain, True)
-        assert (cagrad.counters["captures"], cagrad.counters["guard_hits"]) == (1, 1)
-        for a, b in zip(got, _step(plain, False)):
-            assert torch.equal(a, b)
-        wrapped = nn.parallel.DistributedDataParallel(plain)  # reducer hooks on plain's leaves now
+    torch.manual_seed(0)
+    other = nn.parallel.DistributedDataParallel(nn.Linear(4, 3))  # C++ hooks live in the process
+    plain = nn.Linear(4, 3)
+    cagrad.reset()
+    for _ in range(2):
         got = _step(plain, True)
-        for a, b in zip(got, _step(plain, False)):
-            assert torch.equal(a, b)
-        assert cagrad.counters["guard_hits"] == 1
-        del other, wrapped
-    finally:
-        if own:
-            dist.destroy_process_group()
+    assert (cagrad.counters["captures"], cagrad.counters["guard_hits"]) == (1, 1)
+    for a, b in zip(got, _step(plain, False)):
+        assert torch.equal(a, b)
+    wrapped = nn.parallel.DistributedDataParallel(plain)  # reducer hooks on plain's leaves now
+    got = _step(plain, True)
+    for a, b in zip(got, _step(plain, False)):
+        assert torch.equal(a, b)
+    assert cagrad.counters["guard_hits"] == 1
+    del other, wrapped
