@@ -5,7 +5,8 @@ keyed node by node (:class:`CacheKey`), looked up in a shadow-graph cache,
 and on a miss traced whole into one FX graph that ``compiler_fn`` compiles.
 See docs/DESIGN.md for the architecture; the modules map onto it.
 The package follows the pipeline; each stage is a sub-package that imports
-only the stages before it (and the leaf modules ``errors`` and ``counters``):
+only the stages before it (and the leaf modules ``errors``, ``counters`` and
+``preserve``):
 
 ==============================  ===============================================
 ``autograd/`` (eager's rules)
@@ -56,6 +57,7 @@ top level
 ``explain``                     why a backward misses the cache
 ``torch_compat``                torch's compiled-autograd entry points, served by cagrad
 ``counters``, ``errors``        counters, fallback reasons, error types (leaves)
+``preserve``                    process state cagrad's own work puts back (leaf)
 ``logs``, ``events``            the loggers and CAGRAD_LOGS; capture and run listeners
 ==============================  ===============================================
 """

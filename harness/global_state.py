@@ -76,15 +76,28 @@ def _autocast() -> tuple:
     return tuple(out)
 
 
+def _text(value: Any) -> str:
+    """``repr(value)`` with sets and dicts in sorted order: a copied set of
+    strings may iterate in another order than the set it was copied from."""
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_text(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(sorted(f"{_text(k)}: {_text(v)}" for k, v in value.items())) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_text(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return repr(value)
+
+
 def _config(module_name: str) -> Callable[[], Any]:
     def read() -> Any:
         import importlib
 
         mod = importlib.import_module(module_name)
         cfg = mod.get_config_copy()
-        # values are compared by their repr: some are callables or objects
+        # values are compared by their text: some are callables or objects
         # without a useful __eq__; sorted so the text is stable
-        return tuple(sorted((k, repr(v)) for k, v in cfg.items()))
+        return tuple(sorted((k, _text(v)) for k, v in cfg.items()))
 
     return read
 

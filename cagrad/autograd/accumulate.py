@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .. import native
+from ..preserve import preserved
 from . import run_context
 
 log = logging.getLogger("cagrad")
@@ -274,7 +275,8 @@ def _native_fns() -> Any:
                 fns = native.accumulate_fns()
                 if fns is not None:
                     try:
-                        _self_test(*fns)
+                        with preserved():
+                            _self_test(*fns)
                     except Exception as e:  # noqa: BLE001  (Python accumulates then)
                         log.warning("cagrad's C++ gradient accumulation failed its self-test (%s); "
                                     "Python accumulates", e)

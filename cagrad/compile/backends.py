@@ -10,6 +10,7 @@ import torch.fx
 
 from ..counters import counters
 from ..errors import Unsupported
+from ..preserve import preserved
 
 CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
 
@@ -186,7 +187,12 @@ def resolve(compiler_fn: CompilerFn) -> Callable[..., Callable[..., Any]]:
         return resolved
     if callable(compiler_fn):
         user_fn = compiler_fn
-        return lambda gm, symbolic, static_first=False: user_fn(gm)
+
+        def compile_with_user_fn(gm: torch.fx.GraphModule, symbolic: bool, static_first: bool = False) -> Any:
+            with preserved():  # eager runs no compiler: what it changes must not show
+                return user_fn(gm)
+
+        return compile_with_user_fn
     raise TypeError(
         "cagrad.enable: compiler_fn must be a torch.compile backend name or a "
         f"callable GraphModule -> callable, got {type(compiler_fn).__name__}"
@@ -214,7 +220,8 @@ def _resolve_name(compiler_fn: str) -> Callable[..., Callable[..., Any]]:
     backend = lookup_backend(compiler_fn)
 
     def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool, static_first: bool = False) -> Callable[..., Any]:
-        compiled = direct_compile.compile_graph(backend, gm, compiler_fn, static_first)
+        with preserved():  # eager runs no compiler: what it changes must not show
+            compiled = direct_compile.compile_graph(backend, gm, compiler_fn, static_first)
         counters.bump("backend_compiles")
         if compiled is None:
             counters.bump("dynamo_compiles")

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..preserve import preserved
+
 BOXED_BACKENDS = ("eager", "aot_eager", "inductor")
 """Backend names compiled into boxed callables (see the module docstring)."""
 
@@ -101,7 +103,22 @@ def compile_boxed(
     Returns:
         ``(fn, boxed)``: with ``boxed`` True, call ``fn(args_list)`` (it
         empties the list); else ``fn(*args)``.
+
+    The compile leaves the process state as it found it
+    (:func:`cagrad.preserve.preserved`: random generators, flags, configs):
+    eager autograd compiles nothing.
     """
+    with preserved():
+        return _compile_boxed(backend, name, gm, examples, inputs_keyed)
+
+
+def _compile_boxed(
+    backend: Callable[..., Any],
+    name: str | None,
+    gm: torch.fx.GraphModule,
+    examples: Sequence[Any],
+    inputs_keyed: bool,
+) -> tuple[Callable[..., Any], bool]:
     if name == "eager":
         # its forward, as Dynamo's eager backend returns: a call to the module
         # itself runs nn.Module's hook dispatch and FX's traceback wrapper:

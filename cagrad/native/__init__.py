@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..preserve import preserved
 from . import self_tests
 from .build import build_cagrad_ext
 
@@ -102,7 +103,8 @@ def load() -> Native | None:
     if _native is None:
         with _lock:
             if _native is None:
-                _native = _load() or False
+                with preserved():  # the build and self-tests leave the user's state alone
+                    _native = _load() or False
     return _native or None
 
 

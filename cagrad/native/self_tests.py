@@ -175,8 +175,10 @@ def collect(collect: Any, readers: Any) -> None:
     from . import guard_program as gp
 
     with torch.inference_mode(False), torch.enable_grad():
-        x = torch.randn(2, 3, 4, 4, requires_grad=True)
-        w = torch.nn.Parameter(torch.randn(3))
+        # fixed values: a self-test must not draw from the global generator
+        # (it runs inside the user's first backward, whose RNG stream eager leaves alone)
+        x = torch.linspace(-1.0, 1.0, 96).reshape(2, 3, 4, 4).requires_grad_()
+        w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
         bn = torch.nn.functional.batch_norm(x, None, None, w, None, training=True).grad_fn
         pool = torch.nn.functional.max_pool2d(x, 2).grad_fn
         gelu = torch.nn.functional.gelu(x, approximate="tanh").grad_fn
@@ -238,7 +240,7 @@ def walk(walk: Any) -> None:
     from . import guard_program as gp
 
     with torch.inference_mode(False), torch.enable_grad():
-        x = torch.randn(3, requires_grad=True)
+        x = torch.linspace(-1.0, 1.0, 3).requires_grad_()
         s = x.sin()
         loss = (s * s.detach() + s).sum()
     root = loss.grad_fn  # SumBackward0 <- AddBackward0 <- (MulBackward0, SinBackward0)

@@ -1,5 +1,6 @@
 """The package's layout is its pipeline: each stage sub-package imports only
-the stages before it (and the leaf modules ``errors`` and ``counters``), so
+the stages before it (and the leaf modules ``errors``, ``counters`` and
+``preserve``), so
 that the folders show the architecture and no import circles form."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import cagrad
 
 ROOT = pathlib.Path(cagrad.__file__).parent
 STAGES = ["native", "autograd", "hooks", "keys", "capture", "compile", "run"]
-LEAVES = {"errors", "counters"}
+LEAVES = {"errors", "counters", "preserve"}
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, list[str]]]:

@@ -1,0 +1,142 @@
+"""The process state cagrad's own work leaves as it found it.
+
+Eager autograd runs no compiler and no self-test, so nothing those do may
+show after a backward: not a draw from a random generator (a seeded training
+loop with dropout would take another stream), nor a flag or a config value.
+:func:`preserved` saves that state around cagrad's internal work (backend
+compiles, the native extension's self-tests) and puts back whatever changed.
+It is never put around code of the user's (hooks, saved-tensor hooks,
+custom Functions): what those change must show as it does in eager.
+
+What is saved (the fields torch's own ``torch._dynamo.convert_frame.
+preserve_global_state`` restores around a Dynamo compile, and more): the CPU
+generator; the generator of every CUDA device, where CUDA is initialized;
+Python's ``random``; grad mode; the default dtype; the deterministic
+algorithms setting and its ``warn_only``; the intra-op thread count;
+anomaly mode and its ``check_nan``; autocast (enabled and dtype, CPU and
+CUDA) and its cache; ``torch.get_float32_matmul_precision()``; and the
+Dynamo, inductor and functorch configs where they are imported. A value put
+back is set only where it changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["preserved"]
+
+#: config modules restored where already imported (never imported here)
+_CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _cuda_states() -> list[torch.Tensor] | None:
+    # reading CUDA's generators would initialize CUDA, itself a change
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.get_rng_state_all()
+
+
+def _autocast() -> list[tuple[str, bool, torch.dtype]]:
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
+
+
+def _configs() -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in _CONFIGS:
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "get_config_copy"):
+            out[name] = mod.get_config_copy()
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a usable __eq__
+        return False
+
+
+class _Saved:
+    """One read of the state :func:`preserved` restores."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = _cuda_states()
+        self.python = random.getstate()
+        self.grad = torch.is_grad_enabled()
+        self.dtype = torch.get_default_dtype()
+        self.deterministic = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        self.threads = torch.get_num_threads()
+        self.anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        self.autocast = _autocast()
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.matmul = torch.get_float32_matmul_precision()
+        self.configs = _configs()
+
+    def restore(self) -> None:
+        """Puts back every field that differs from this read."""
+        if not torch.equal(torch.get_rng_state(), self.cpu):
+            torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            now = torch.cuda.get_rng_state_all()
+            if len(now) != len(self.cuda) or any(not torch.equal(a, b) for a, b in zip(now, self.cuda)):
+                torch.cuda.set_rng_state_all(self.cuda)
+        if random.getstate() != self.python:
+            random.setstate(self.python)
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        deterministic = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        if deterministic != self.deterministic:
+            torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()) != self.anomaly:
+            torch.set_anomaly_enabled(*self.anomaly)
+        for (device, enabled, dtype), now in zip(self.autocast, _autocast()):
+            if now[1] != enabled:
+                torch.set_autocast_enabled(device, enabled)
+            if now[2] != dtype:
+                torch.set_autocast_dtype(device, dtype)
+        if torch.is_autocast_cache_enabled() != self.autocast_cache:
+            torch.set_autocast_cache_enabled(self.autocast_cache)
+        if torch.get_float32_matmul_precision() != self.matmul:
+            torch.set_float32_matmul_precision(self.matmul)
+        for name, saved in self.configs.items():
+            mod = sys.modules[name]
+            now = mod.get_config_copy()  # not getattr: reading a deprecated key warns
+            for key, value in saved.items():
+                if key in now and not _same(now[key], value):
+                    setattr(mod, key, value)
+
+
+@contextlib.contextmanager
+def preserved() -> Iterator[None]:
+    """Runs the body, then puts back every part of the process state (see
+    the module docstring) that the body changed, whether it returned or
+    raised. For cagrad's own work only, never around code of the user's.
+
+    Costs about a millisecond (the config copies): it wraps compiles and
+    self-tests, never a cache hit.
+    """
+    saved = _Saved()
+    try:
+        yield
+    finally:
+        saved.restore()
