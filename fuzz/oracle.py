@@ -5,8 +5,9 @@ program through :func:`harness.run_differential`, reducing the report to
 :class:`FailureKey` s: ``(subject, device, status, kind)`` where ``kind`` is
 the exception type of an ``error`` outcome, or for a ``mismatch`` what
 differs (:func:`mismatch_kind`: ``value``, ``meta``, ``trace``,
-``unexpected-success`` or ``captures``). A failure's *signature* adds the sorted op set of
-its shrunk program and its hook kinds (``hook:<kind>.<action>``).
+``unexpected-success``, ``captures``, ``cache`` or ``state``). A failure's
+*signature* adds the sorted op set of its shrunk program and its hook kinds
+(``hook:<kind>.<action>``).
 
 Subjects are harness subject names (``"cagrad[aot_eager]"``) or *plugins*:
 ``"path/to/file.py:NAME"`` or ``"package.module:NAME"``, where ``NAME`` is a
@@ -34,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,14 +72,22 @@ def signature(key: FailureKey, op_set: Sequence[str]) -> str:
     return f"{key.text()} [{','.join(op_set)}]"
 
 
+# "state cpu_rng", "step 2/4: state cpu_rng" (harness.compare.compare_state)
+_STATE_WHERE = re.compile(r"(?:^|: )state \w+$")
+
+
 def mismatch_kind(m: harness.Mismatch | None) -> str:
     """``value`` (numbers differ), ``meta`` (None versus a tensor, shape,
     dtype), ``trace`` (hook trace), ``unexpected-success`` (eager raised) or
     ``captures`` (a size sequence's captures break cagrad's rule, see
-    :mod:`harness.capture_rule`) or ``cache`` (a neighbour program got a
-    wrong cache hit, see :class:`Oracle`)."""
+    :mod:`harness.capture_rule`), ``cache`` (a neighbour program got a
+    wrong cache hit, see :class:`Oracle`) or ``state`` (the backward left
+    the process state, a random stream or a flag, otherwise than eager's:
+    :func:`harness.compare.compare_state`)."""
     if m is None:
         return "value"
+    if _STATE_WHERE.search(m.where):
+        return "state"
     if m.where == "cache":
         return "cache"
     if m.where == "captures":

@@ -23,7 +23,10 @@ campaign worker) to a short text that is stable across programs:
   ``autograd.grad`` results alike, ``trace``, ``captures``, ``exception``,
   ``result count``, ...) and the template of its detail; numeric
   differences say only ``values differ``, and hook events recorded in
-  another order than eager's say ``hook events in another order``.
+  another order than eager's say ``hook events in another order``; a
+  field of the process state the backward left otherwise than eager's
+  says ``state <field> left otherwise than eager's`` (``state cpu_rng``:
+  the subject drew from the CPU generator, or did not draw as eager did).
 * ``crash``: the signal name (``SIGSEGV``); ``timeout``: ``timeout``.
 
 :func:`make_signature` prefixes it with ``subject@device status kind``.
@@ -67,6 +70,7 @@ _RULES: list[tuple[re.Pattern[str], str]] = [
 ]
 
 # where-labels of harness.Mismatch -> the role of the value that differs
+_STATE_WHERE = re.compile(r"(?:^|: )(state \w+)$")
 _WHERE_ROLES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^leaf \d+ \.grad$"), "grad"),
     (re.compile(r"^grad result \d+$"), "grad"),
@@ -172,6 +176,10 @@ def _mismatch_cause(outcome: dict[str, Any]) -> str:
     if not mismatches:
         return "mismatch"
     first = mismatches[0]
+    state = _STATE_WHERE.search(str(first.get("where", "")))
+    if state:
+        # the values (generator digests, config values) vary with the program
+        return f"{state[1]} left otherwise than eager's"
     role = _where_role(str(first.get("where", "")))
     detail = str(first.get("detail", "")).strip()
     # numeric differences keep only that they differ: the numbers vary with

@@ -15,6 +15,10 @@ reads strides or calls ``view`` then behaves as under eager.
 Hook traces are compared structurally: lists/tuples element by element
 (lengths must match), dicts key by key, tensors as above, Python floats with
 the float32 policy, anything else with ``==``.
+
+The process state a backward leaves (random streams, grad mode, flags,
+configs: :mod:`harness.global_state`) is compared field by field with what
+eager's backward left (:func:`compare_state`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from harness.global_state import GlobalState, left_differently
 from harness.outcome import Mismatch
 from harness.tolerance import Tolerance
 
@@ -230,3 +235,40 @@ def compare_trace(
     for i, (e, a) in enumerate(zip(expected, actual)):
         out.extend(compare_structure(e, a, f"trace[{i}]", tolerance, float_tolerance))
     return out
+
+
+#: Characters of a state value kept in a mismatch's detail.
+STATE_VALUE_CHARS = 160
+
+
+def _state_value(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= STATE_VALUE_CHARS else text[: STATE_VALUE_CHARS - 3] + "..."
+
+
+def compare_state(
+    reference_before: GlobalState | None,
+    reference_after: GlobalState | None,
+    before: GlobalState | None,
+    after: GlobalState | None,
+    at: str = "",
+) -> list[Mismatch]:
+    """One mismatch per field of the process state that the subject's
+    backward left otherwise than eager's backward of the same program
+    (:func:`harness.global_state.left_differently`); none where a read is
+    missing (a run that raised).
+
+    Each is at ``"{at}state {field}"`` (``"state cpu_rng"``), with
+    ``max_abs`` None, and its detail names both values: generator states as
+    the first 16 hex digits of their sha256, configs as the keys that
+    differ.
+    """
+    if reference_before is None or reference_after is None or before is None or after is None:
+        return []
+    return [
+        Mismatch(
+            f"{at}state {d.field}",
+            f"the backward left {d.field} at {_state_value(d.actual)}; eager's left it at {_state_value(d.expected)}",
+        )
+        for d in left_differently(reference_before, reference_after, before, after)
+    ]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from harness import global_state
 from harness.devices import seeded, synchronize
 from harness.outcome import ErrorInfo
 from harness.program import Program
@@ -36,6 +37,8 @@ class StepValues:
     leaf_grads: list[torch.Tensor | None]
     grad_results: list[torch.Tensor | None] | None
     trace: list[Any]
+    state_before: global_state.GlobalState | None = None
+    state_after: global_state.GlobalState | None = None
 
 
 @dataclasses.dataclass
@@ -51,6 +54,11 @@ class Execution:
             in mode ``"backward"``.
         trace: a copy of ``ProgramRun.trace`` (tensors cloned, containers
             copied).
+        state_before, state_after: the process state
+            (:mod:`harness.global_state`) read after the build, before the
+            backward (and before a subject's size probe), and right after
+            the backward, both under the run's seed; None where the build
+            or the backward raised.
         earlier: subjects with ``steps`` > 1: the values of each step
             before the last, in order (the fields above are the last
             step's); empty otherwise.
@@ -77,6 +85,8 @@ class Execution:
     leaf_grads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     grad_results: list[torch.Tensor | None] | None = None
     trace: list[Any] = dataclasses.field(default_factory=list)
+    state_before: global_state.GlobalState | None = None
+    state_after: global_state.GlobalState | None = None
     earlier: list[StepValues] = dataclasses.field(default_factory=list)
     error: ErrorInfo | None = None
     exc_type: type[BaseException] | None = None
@@ -134,6 +144,7 @@ def execute(
                 out.earlier.append(values)
             else:
                 out.leaf_grads, out.grad_results, out.trace = values.leaf_grads, values.grad_results, values.trace
+                out.state_before, out.state_after = values.state_before, values.state_after
         out.phase = None
     except Exception as exc:
         out.error = ErrorInfo.from_exception(exc)
@@ -160,6 +171,7 @@ def _step(
         out.value_dtypes = _floating_dtypes([*run.leaves, *run.outputs])
         synchronize(device)
         out.phase = "backward"
+        state_before = global_state.capture()
         if probe_sizes:
             probe = subject.size_probe(run)
             out.static_sizes, out.size_values = probe.static, probe.size_values
@@ -174,11 +186,16 @@ def _step(
                 out.counts[k] = out.counts.get(k, 0) + v
             for k, v in reasons.items():
                 out.fallback_reasons[k] = out.fallback_reasons.get(k, 0) + v
+        # read under the run's seed, before anything else draws: the
+        # stream a backward leaves is the one the next forward draws from
+        state_after = global_state.capture()
     with _snapshot_memory(device):
         return StepValues(
             [snapshot(leaf.grad) for leaf in run.leaves],
             [snapshot(g) for g in (result or ())] if run.mode == "grad" else None,
             snapshot(list(run.trace)),
+            state_before,
+            state_after,
         )
 
 

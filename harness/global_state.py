@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["FIELDS", "GlobalState", "StateDifference", "capture"]
+__all__ = ["FIELDS", "GlobalState", "StateDifference", "capture", "left_differently"]
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -207,3 +207,29 @@ def capture() -> GlobalState:
         compare equal (``a.diff(b) == []``).
     """
     return GlobalState({name: _read(reader) for name, reader in FIELDS.items()})
+
+
+def left_differently(
+    reference_before: GlobalState, reference_after: GlobalState, before: GlobalState, after: GlobalState
+) -> list[StateDifference]:
+    """The fields a run left otherwise than a reference run of the same
+    program (the oracle: eager's backward, then a subject's).
+
+    A field the reference changed must end at the reference's value (the
+    random streams, which both runs start from the same seed); a field the
+    reference left alone must end where this run found it, so that a
+    change an earlier run leaked is not blamed on this one.
+
+    Args:
+        reference_before, reference_after: reads around the reference run.
+        before, after: reads around this run.
+
+    Returns:
+        one :class:`StateDifference` per such field, in :data:`FIELDS`
+        order; ``expected`` is the value it should have ended at.
+    """
+    expected = {}
+    for name, value in after.values.items():
+        ref_a, ref_b = reference_after.values.get(name), reference_before.values.get(name)
+        expected[name] = ref_a if ref_a != ref_b else before.values.get(name)
+    return GlobalState(expected).diff(after)

@@ -22,8 +22,9 @@ class Status(str, enum.Enum):
       the subject raised an exception of the same type (whether or not cagrad
       counted a fallback on the way).
     * ``mismatch``: a result differs (value beyond tolerance, ``None`` versus
-      a tensor, dtype/shape/device, trace length), or the subject succeeded
-      where eager raised.
+      a tensor, dtype/shape/device, trace length), the backward left the
+      process state (a random stream, a flag, a config) otherwise than
+      eager's, or the subject succeeded where eager raised.
     * ``error``: the subject raised where eager did not, or raised an
       exception of another type than eager's.
     * ``fallback``: results equal, but cagrad handed at least one backward to
@@ -87,7 +88,10 @@ class Mismatch:
     Attributes:
         where: which value: ``"leaf 2 .grad"``, ``"grad result 0"``,
             ``"trace[3]"``, ``"trace[3][1]"`` (a tensor nested in a trace
-            event), ``"trace length"`` or ``"exception"``; a subject that
+            event), ``"trace length"``, ``"exception"``, or ``"state
+            <field>"`` (the process state the backward left differs from
+            eager's in that field of :mod:`harness.global_state`:
+            ``"state cpu_rng"``); a subject that
             runs the program several times prefixes the step
             (``"step 2/4: leaf 0 .grad"``).
         detail: one sentence saying what differs.

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from harness.capture_rule import SizeVariant, allowed_captures, check_captures, size_classes
-from harness.compare import compare_tensor_lists, compare_trace
+from harness.compare import compare_state, compare_tensor_lists, compare_trace
 from harness.devices import resolve_devices
 from harness.execution import Execution, StepValues, execute
 from harness.outcome import DifferentialReport, Mismatch, Outcome, Status
@@ -44,7 +44,10 @@ def judge(
        modes: ``autograd.grad`` must leave ``.grad`` alone), ``trace[i]``;
        each by the loosest tolerance among its own dtype and the floating
        dtypes of the program's leaves and outputs
-       (:attr:`harness.execution.Execution.value_dtypes`). A subject
+       (:attr:`harness.execution.Execution.value_dtypes`); then the process
+       state the backward left, field by field, against what eager's left
+       (``state cpu_rng``, ``state grad_enabled``, ...:
+       :func:`harness.compare.compare_state`). A subject
        that runs the program several times (:attr:`Subject.steps`) has
        every step compared with eager's one run.
     4. the subject fell back at least once: ``fallback``.
@@ -89,7 +92,7 @@ def judge(
         return max([own, *others], key=lambda t: (t.rtol, t.atol))
 
     mismatches: list[Mismatch] = []
-    steps = [*got.earlier, StepValues(got.leaf_grads, got.grad_results, got.trace)]
+    steps = [*got.earlier, StepValues(got.leaf_grads, got.grad_results, got.trace, got.state_before, got.state_after)]
     for k, step in enumerate(steps, 1):
         # every step of a many-step subject (warm-up, recording, replays)
         # against eager's one run; a one-step subject's labels stay as they were
@@ -104,6 +107,10 @@ def judge(
         )
         found = compare_trace(reference.trace, step.trace, tol, python_float_tolerance(subject.backend, device.type))
         mismatches += [dataclasses.replace(m, where=at + m.where) for m in found] if at else found
+    for k, step in enumerate(steps, 1):
+        # after every value: a value that differs is the likelier root cause
+        at = f"step {k}/{len(steps)}: " if len(steps) > 1 else ""
+        mismatches += compare_state(reference.state_before, reference.state_after, step.state_before, step.state_after, at)
     outcome.mismatches = mismatches
     if mismatches:
         outcome.status = Status.MISMATCH

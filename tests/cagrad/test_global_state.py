@@ -143,7 +143,7 @@ def _drawing_compiler(gm: torch.fx.GraphModule) -> Callable:
     # none of it may show after the backward
     _DRAWN.append(torch.rand(()).item())
     torch.set_grad_enabled(not torch.is_grad_enabled())
-    torch._dynamo.config.cache_size_limit += 1
+    torch._dynamo.config.recompile_limit += 1
     return gm
 
 
@@ -185,7 +185,7 @@ def test_preserved_puts_back_every_field_it_names() -> None:
         torch.set_autocast_dtype("cpu", torch.float16)
         torch.set_autocast_cache_enabled(False)
         torch.set_float32_matmul_precision("medium" if torch.get_float32_matmul_precision() != "medium" else "high")
-        torch._dynamo.config.cache_size_limit += 1
+        torch._dynamo.config.recompile_limit += 1
         torch._inductor.config.max_autotune = not torch._inductor.config.max_autotune
         torch._functorch.config.donated_buffer = not torch._functorch.config.donated_buffer
         torch.set_grad_enabled(False)

@@ -5,6 +5,9 @@ returns when the backward graph contains a ``MulBackward0`` node (``mul`` or
 ``mul_scalar`` in the IR). Any program using those ops diverges; every other
 program agrees with eager. Load it with ``--plugin PATH/broken_subject.py:BrokenMulSubject``.
 
+``DrawsOnExp`` and ``CagradDrawsOnCapture`` leave the global random stream
+one draw ahead of eager's: a ``state`` mismatch.
+
 ``ForgetfulCagrad`` is cagrad that forgets its compiled graphs before every
 backward (its counters kept): it recaptures at every size of a size
 sequence, breaking the capture rule (:mod:`harness.capture_rule`).
@@ -130,3 +133,54 @@ class TransposedGrads(harness.EagerSubject):
             if leaf.grad is not None and leaf.grad.dim() == 2:
                 leaf.grad = leaf.grad.t().contiguous().t()
         return result
+
+
+class DrawsOnExp(harness.EagerSubject):
+    """Eager autograd that draws one number from the global CPU generator
+    (``torch.rand(())``) after every backward whose graph holds an
+    ``ExpBackward0`` node: right gradients, and the random stream one draw
+    ahead of eager's, as cagrad's native self-tests left it before issue 36.
+    The oracle reports a ``mismatch`` of kind ``state`` (``state cpu_rng``)."""
+
+    def __init__(self) -> None:
+        super().__init__("draws[exp]")
+
+    def run(self, run: ProgramRun):
+        result = run_backward(run)
+        if graph_has(run.outputs, "ExpBackward0"):
+            torch.rand(())
+        return result
+
+
+
+class CagradDrawsOnCapture(harness.CagradSubject):
+    """``cagrad[eager]`` that draws one number from the global CPU generator
+    after each capture (``cagrad.compiled_backward._capture`` patched while
+    the subject is active): cagrad's own work touching the stream, past its
+    guard (:func:`cagrad.preserve.preserved`). Its first backward of a
+    program leaves the stream one draw ahead of eager's; a cache hit does
+    not."""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = "cagrad-draws-on-capture[eager]"
+
+    def active(self):
+        import contextlib
+        from unittest import mock
+
+        from cagrad import compiled_backward
+
+        original = compiled_backward._capture
+
+        def drawing(*args, **kwargs):
+            entry = original(*args, **kwargs)
+            torch.rand(())
+            return entry
+
+        @contextlib.contextmanager
+        def ctx():
+            with mock.patch.object(compiled_backward, "_capture", drawing), super(CagradDrawsOnCapture, self).active():
+                yield
+
+        return ctx()

@@ -119,6 +119,27 @@ def test_injected_divergence_exits_1_with_a_shrunk_reproducer(tmp_path: Path) ->
     assert sum(f["count"] for f in failures) > len(failures)
 
 
+def test_a_planted_global_rng_draw_is_reported_as_state(tmp_path: Path, capsys) -> None:
+    # DrawsOnExp: eager gradients, the global CPU stream one draw ahead
+    # after every backward with an ExpBackward0
+    out = tmp_path / "out"
+    proc = _campaign(
+        "--budget", "120", "--max-programs", "8", "--seed", "3", "--out", str(out),
+        "--plugin", f"{HERE / 'broken_subject.py'}:DrawsOnExp", "--shrink-seconds", "10", "--no-progress",
+        "--known", "none", "--ops", "exp,sin,neg,sum", "--no-hooks", "--neighbours", "0",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failures = json.loads((out / "report.json").read_text())["failures"]
+    assert [f["signature"] for f in failures] == ["draws[exp]@cpu mismatch state: state cpu_rng left otherwise than eager's"]
+    (f,) = failures
+    assert [m["where"] for m in f["first_outcome"]["mismatches"]] == ["state cpu_rng"]
+    # run on its own, the reproducer shows the state difference
+    capsys.readouterr()
+    assert runpy.run_path(str(out / f["reproducer"]), run_name="repro")["main"]([]) == 1
+    shown = capsys.readouterr().out
+    assert "state cpu_rng" in shown and "mismatch" in shown
+
+
 def test_a_known_issue_narrowed_to_ops_covers_the_programs_that_use_them(tmp_path: Path) -> None:
     # the campaign hands each program's op names to the known-issues file:
     # an entry for broken[mul]'s divergence that asks for the op mul covers

@@ -66,6 +66,40 @@ def test_a_planted_fault_hit_by_different_op_sets_is_one_signature() -> None:
     assert _signatures(_program([{"name": "v0", "op": "sin", "inputs": ["x0"], "attrs": {}}], [("x0", [3])], ["v0"])) == []
 
 
+DRAWS = str(Path(__file__).with_name("broken_subject.py")) + ":DrawsOnExp"
+
+
+def test_a_planted_draw_is_one_state_signature_across_programs() -> None:
+    # DrawsOnExp draws once from the global generator after a backward with
+    # an ExpBackward0: the generator digests differ from program to program,
+    # the signature does not
+    a = _program([{"name": "v0", "op": "exp", "inputs": ["x0"], "attrs": {}}], [("x0", [2, 3])], ["v0"])
+    b = _program(
+        [
+            {"name": "v0", "op": "sin", "inputs": ["x0"], "attrs": {}},
+            {"name": "v1", "op": "exp", "inputs": ["v0"], "attrs": {}},
+        ],
+        [("x0", [4])],
+        ["v1"],
+        mode="grad",
+    )
+    sigs = []
+    for prog in (a, b):
+        verdict = Oracle(subjects=[], plugins=[DRAWS], devices=["cpu"]).run(prog)
+        assert verdict.report is not None
+        (o,) = verdict.report.failures()
+        k = failure_key(o)
+        assert k.kind == "state"
+        sigs.append(make_signature(k.subject, k.device, k.status, k.kind, o.to_json()))
+    assert sigs[0] == sigs[1] == "draws[exp]@cpu mismatch state: state cpu_rng left otherwise than eager's"
+
+
+def test_a_state_mismatch_of_a_later_step_has_the_same_cause() -> None:
+    first = {"status": "mismatch", "mismatches": [{"where": "state cpu_rng", "detail": "the backward left cpu_rng at 'ab'"}]}
+    later = {"status": "mismatch", "mismatches": [{"where": "step 2/4: state cpu_rng", "detail": "... at 'cd'"}]}
+    assert root_cause(first) == root_cause(later) == "state cpu_rng left otherwise than eager's"
+
+
 def _error(type_: str, message: str, **extra) -> dict:
     return {"subject": "s", "device": "cpu", "status": "error", "mismatches": [],
             "error": {"type": type_, "message": message, "traceback": "Traceback ..."}, "eager_error": None, **extra}
