@@ -49,7 +49,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("package", ["cagrad", "harness", "golden_graphs"])
+@pytest.mark.parametrize("package", ["cagrad", "harness", "fuzz", "golden_graphs"])
 def test_package_has_no_import_cycle(package):
     known = _modules(package)
     graph = {name: _imports(name, path, known) for name, path in known.items()}
