@@ -53,7 +53,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters`` and
 top level
 ``compiled_backward``           one backward: collect, look up, capture, run
 ``engine``                      the stand-in for torch's autograd engine
-``api``                         ``enable``, ``capture``, ``reset``
+``api``                         ``enable``, ``capture``, ``explain``, ``reset``
 ``explain``                     why a backward misses the cache
 ``torch_compat``                torch's compiled-autograd entry points, served by cagrad
 ``counters``, ``errors``        counters, fallback reasons, error types (leaves)
@@ -63,16 +63,18 @@ top level
 """
 
 from . import logs as _logs
-from .api import Capture, capture, enable, reset
 from .autograd import custom_function as _custom_function
 from .autograd import run_context as _run_context
 from .counters import counters
 from .errors import CacheFileError, Unsupported
-from .explain import Diagnosis, explain
+from .explain import Diagnosis
 from .hooks import cpp_hooks as _cpp_hooks
 from .hooks import hooks_census as _hooks_census
 from .keys.cache_key import CacheKey
 from .logs import set_logs
+
+# after every submodule import: the package attribute `explain` is the function
+from .api import Capture, capture, enable, explain, reset  # noqa: E402
 
 _hooks_census.install()
 _custom_function.install()

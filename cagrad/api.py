@@ -1,4 +1,4 @@
-"""The public API: enable, reset, capture."""
+"""The public API: enable, reset, capture, explain."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from . import engine
+from . import explain as explain_mod
 from .capture import leaf_hook_groups
 from .compile.backends import CompilerFn
 from .compile.cuda_graphs import check_mode
@@ -234,3 +235,33 @@ def collect_or_raise(outs: tuple, grads: tuple, ins: tuple, accumulate_grad: boo
         return collect_backward(outs, grads, ins, accumulate_grad=accumulate_grad)
     except EagerError as e:
         raise e.cause from None
+
+
+def explain(
+    outputs: Any,
+    grad_outputs: Any = None,
+    inputs: Any = None,
+    compiler_fn: Any = "inductor",
+    dynamic: bool | None = None,
+) -> explain_mod.Diagnosis:
+    """Whether ``backward``/``grad`` of ``outputs`` would hit cagrad's cache.
+
+    Collects the backward as :func:`cagrad.enable` would (nothing is run,
+    traced or compiled, no ``.grad`` changes) and looks it up in the cache of
+    ``(compiler_fn, dynamic)``.
+
+    Args:
+        outputs, grad_outputs, inputs: as for :func:`cagrad.capture`.
+        compiler_fn, dynamic: which cache to look in (as given to
+            :func:`cagrad.enable`).
+
+    Returns:
+        a :class:`Diagnosis`; ``str()`` of it is one line for a log.
+
+    Raises:
+        cagrad.Unsupported: the backward would run in eager anyway.
+        RuntimeError: for arguments eager autograd rejects.
+    """
+    outs, grads, ins = backward_arguments(outputs, grad_outputs, inputs)
+    collected = collect_or_raise(outs, grads, ins, accumulate_grad=inputs is None)
+    return explain_mod.diagnose(engine.cache_for(compiler_fn, dynamic), collected.keys, collected.collector.sizes)

@@ -136,36 +136,3 @@ def _size_diagnosis(check: SizeCheck, sizes: SizeInputs) -> Diagnosis:
                     guard = f"guard {expr} fails at {dict(zip(check.symbol_names, sym_values))}"
                     break
     return Diagnosis(False, "sizes", changed=changed, guard=guard)
-
-
-def explain(
-    outputs: Any,
-    grad_outputs: Any = None,
-    inputs: Any = None,
-    compiler_fn: Any = "inductor",
-    dynamic: bool | None = None,
-) -> Diagnosis:
-    """Whether ``backward``/``grad`` of ``outputs`` would hit cagrad's cache.
-
-    Collects the backward as :func:`cagrad.enable` would (nothing is run,
-    traced or compiled, no ``.grad`` changes) and looks it up in the cache of
-    ``(compiler_fn, dynamic)``.
-
-    Args:
-        outputs, grad_outputs, inputs: as for :func:`cagrad.capture`.
-        compiler_fn, dynamic: which cache to look in (as given to
-            :func:`cagrad.enable`).
-
-    Returns:
-        a :class:`Diagnosis`; ``str()`` of it is one line for a log.
-
-    Raises:
-        cagrad.Unsupported: the backward would run in eager anyway.
-        RuntimeError: for arguments eager autograd rejects.
-    """
-    from . import engine
-    from .api import backward_arguments, collect_or_raise
-
-    outs, grads, ins = backward_arguments(outputs, grad_outputs, inputs)
-    collected = collect_or_raise(outs, grads, ins, accumulate_grad=inputs is None)
-    return diagnose(engine.cache_for(compiler_fn, dynamic), collected.keys, collected.collector.sizes)

@@ -275,6 +275,7 @@ def replay(
 ) -> None:
     """Run FILE (a reproducer .py, a program .json, or a failure directory) again."""
     from fuzz.ir import IRError, Program
+    from fuzz.render import render_source
     from fuzz.reproducer import read_reproducer
     from fuzz.reproducer import replay as run_replay
 
@@ -300,7 +301,7 @@ def replay(
         click.echo(f"error: {file}: {e}", err=True)
         sys.exit(EXIT_USAGE)
     if show:
-        click.echo(program.source(), nl=False)
+        click.echo(render_source(program), nl=False)
         sys.exit(EXIT_CLEAN)
     if subjects is not None or plugins:
         use_subjects, use_plugins = _split(subjects), list(plugins)

@@ -377,12 +377,6 @@ class Program:
     def with_name(self, name: str) -> Program:
         return dataclasses.replace(self, name=name)
 
-    def source(self) -> str:
-        """A readable, runnable pure-torch rendering (see :mod:`fuzz.ops`)."""
-        from fuzz.render import render_source
-
-        return render_source(self)
-
 
 def base_name(ref: str) -> str:
     return ref.split(":", 1)[0]

@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fuzz import functions as F
-from fuzz.ops import (
+from fuzz.op_spec import (
     Attr,
     DrawFn,
     OpSpec,

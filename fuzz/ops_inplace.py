@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from fuzz.ops import (
+from fuzz.op_spec import (
     Attr,
     AttrError,
     DrawFn,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.ir import Program
+from fuzz.render import render_source
 
 # (__file__, not fuzz.__file__: an editable install made before fuzz/ had an
 # __init__.py imports fuzz as a namespace package, without a __file__.)
@@ -105,14 +106,14 @@ def render_reproducer(
     """The text of a reproducer of ``program`` (see the module doc); with
     ``neighbours`` > 0 it replays the program's neighbour sequence, and its
     docstring shows each neighbour's change and code."""
-    source = _docstring_code(program.source())
+    source = _docstring_code(render_source(program))
     neighbour_sources = ""
     if neighbours > 0:
         from fuzz.neighbours import derive
 
         neighbour_sources = "".join(
             f"\n\nThen, in the same cagrad state (no reset), neighbour {k}: {nb.label}\n\n"
-            + _docstring_code(nb.program.source())
+            + _docstring_code(render_source(nb.program))
             for k, nb in enumerate(derive(program, neighbours), 1)
         )
     return _TEMPLATE.format(
@@ -264,13 +265,13 @@ def run_reproducer(
         neighbours = args.neighbours
     program = Program.from_json(program_json)
     if args.show:
-        print(program.source(), end="")
+        print(render_source(program), end="")
         if neighbours > 0:
             from fuzz.neighbours import derive
 
             for k, nb in enumerate(derive(program, neighbours), 1):
                 print(f"\n# neighbour {k} (same cagrad state, no reset): {nb.label}")
-                print(nb.program.source(), end="")
+                print(render_source(nb.program), end="")
         return 0
     if args.subjects:
         from harness.subjects import split_names

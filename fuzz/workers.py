@@ -127,7 +127,7 @@ def worker_main(conn: Connection, cfg: Any) -> None:
                     stop = True
             return "stop" if stop else None
 
-        runner = RoundRunner(cfg, send, control)
+        runner = RoundRunner(cfg, send, control, exit_device_lost=lambda: os._exit(DEVICE_LOST_EXIT))
         _wrap_subjects(runner.oracle, send)
         send("ready", {"pid": os.getpid()})
         while not stop:

@@ -18,7 +18,7 @@ after the parameter's ``AccumulateGrad`` and its post-accumulate-grad hooks,
 and runs the graph inside a host GraphTask of torch's (:mod:`cagrad.run.host`) so
 that the C++ callback has one to go to.
 
-Limits (see the README's fallback table): a Reducer constructed before
+Limits (see docs/fallbacks.md): a Reducer constructed before
 ``import cagrad`` is found by scanning live ``DistributedDataParallel``
 modules at import; hooks added from C++ by anything else are not run by
 cagrad: they are detected (:mod:`cagrad.autograd._hook_counts`) and their backward

@@ -18,7 +18,6 @@ round continued after a crashed worker, or resumed after an interruption.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +33,6 @@ from fuzz.oracle import FailureKey, Oracle, Verdict, failure_key
 from fuzz.reduce import complexity, reduce_program
 from fuzz.signature import make_signature
 from fuzz.strategies import programs
-from fuzz.workers import DEVICE_LOST_EXIT
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -97,8 +95,16 @@ class RoundRunner:
         oracle: the oracle (built from ``cfg`` when None).
     """
 
-    def __init__(self, cfg: CampaignConfig, emit: Emit, control: Callable[[], str | None], oracle: Oracle | None = None):
+    def __init__(
+        self,
+        cfg: CampaignConfig,
+        emit: Emit,
+        control: Callable[[], str | None],
+        exit_device_lost: Callable[[], None],
+        oracle: Oracle | None = None,
+    ):
         self.cfg = cfg
+        self.exit_device_lost = exit_device_lost
         self.emit = emit
         self.control = control
         self.oracle = oracle or make_oracle(cfg)
@@ -179,14 +185,14 @@ class RoundRunner:
         return verdict, findings(verdict)
 
     def _exit_if_device_lost(self, verdict: Verdict) -> None:
-        """Ends this worker (exit :data:`~fuzz.workers.DEVICE_LOST_EXIT`)
-        after a device error, naming the subject that met it first: the
+        """Ends this worker (``exit_device_lost``: the worker process exits
+        with :data:`~fuzz.workers.DEVICE_LOST_EXIT`) after a device error, naming the subject that met it first: the
         parent records a crash of that subject on the program running and
         starts a fresh worker."""
         lost = device_lost(verdict)
         if lost is not None:
             self.emit("subject", {"name": lost[0], "device": lost[1]})
-            os._exit(DEVICE_LOST_EXIT)
+            self.exit_device_lost()
 
     def _announce(self, program: Program, phase: str) -> None:
         self.emit("program", {"round": self.round, "index": self.index - 1, "phase": phase, "program": program.to_json(indent=None)})

@@ -149,7 +149,7 @@ PyMODINIT_FUNC CONCAT(PyInit_, MODULE_NAME)() { return PyModule_Create(&module);
 @pytest.fixture(scope="module")
 def ext():
     """The test extension; skips only where there is no C++ compiler (the
-    README documents detection as off then); a compiler that fails to build
+    docs/fallbacks.md documents detection as off then); a compiler that fails to build
     cagrad's own extension is a failure."""
     if _hook_counts.counts_fn() is None:
         if shutil.which(os.environ.get("CXX", "c++")) is not None:

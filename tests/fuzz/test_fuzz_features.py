@@ -25,13 +25,23 @@ from hypothesis import HealthCheck, given, settings
 from fuzz import functions as F
 from fuzz import ops as catalog
 from fuzz.interpret import build_run, eager_grads, run_forward
-from fuzz.ir import HOOK_KINDS, SCHEMA_VERSION, Hook, IRError, Leaf, Op, Program, validate
+from fuzz.ir import (
+    HOOK_KINDS,
+    SCHEMA_VERSION,
+    Hook,
+    IRError,
+    Leaf,
+    Op,
+    Program,
+    validate,
+)
 from fuzz.oracle import Oracle
 from fuzz.reduce import reduce_program
+from fuzz.render import render_source
 from fuzz.reproducer import write_reproducer
 from fuzz.strategies import GenConfig, programs
-from tests.conftest import examples
 from harness.program import run_backward
+from tests.conftest import examples
 
 
 def rich_program(**changes) -> Program:
@@ -302,7 +312,7 @@ def test_rich_program_runs_and_its_rendering_agrees() -> None:
     h1, h2 = run.trace[1][1], run.trace[2][1]
     assert torch.equal(h2, h1)  # h1 observes, h2 sees the same gradient (it shifts afterwards)
     namespace: dict = {}
-    exec(p.source(), namespace)  # noqa: S102 - our own rendering
+    exec(render_source(p), namespace)  # noqa: S102 - our own rendering
     rendered_trace: list = []
     rendered = namespace["run"](trace=rendered_trace)
     assert repr(rendered_trace) == repr(run.trace)

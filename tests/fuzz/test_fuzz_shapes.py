@@ -17,6 +17,7 @@ from fuzz.interpret import eager_grads
 from fuzz.ir import IRError, Leaf, Op, Program, validate
 from fuzz.oracle import Oracle
 from fuzz.reduce import candidates, reduce_program
+from fuzz.render import render_source
 from fuzz.reproducer import read_reproducer, write_reproducer
 from fuzz.strategies import programs
 from tests.conftest import examples
@@ -144,7 +145,7 @@ def test_generation_draws_valid_size_sequences() -> None:
 # --------------------------------------------------- render, reproducer
 def test_render_loops_over_the_sizes_like_the_harness() -> None:
     p = mm_sum(6, 9)
-    src = p.source()
+    src = render_source(p)
     assert "RESIZES = [{}, {4: 6}, {4: 9}]" in src and "def run_sequence" in src
     ns: dict = {}
     exec(compile(src, "<rendered>", "exec"), ns)

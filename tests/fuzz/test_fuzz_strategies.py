@@ -12,6 +12,7 @@ from hypothesis.errors import NoSuchExample
 from fuzz import ops as catalog
 from fuzz.interpret import IRProgram, build_run, eager_grads, run_forward
 from fuzz.ir import IRError, Leaf, Op, Program, inplace_conflicts, validate
+from fuzz.render import render_source
 from fuzz.strategies import GenConfig, programs
 from harness.program import Program as HarnessProgram
 from harness.program import run_backward
@@ -42,7 +43,7 @@ def test_generated_programs_run_under_eager_and_match_their_rendered_source(prog
         if t.requires_grad:
             assert t.is_leaf == infos[ref].is_leaf, ref
     namespace: dict = {}
-    exec(program.source(), namespace)  # noqa: S102 - the rendering is ours
+    exec(render_source(program), namespace)  # noqa: S102 - the rendering is ours
     trace: list = []
     rendered_trace: list = []
     try:
