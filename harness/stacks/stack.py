@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from harness import global_state
 from harness.execution import snapshot
 from harness.subjects import EagerSubject, Subject
 
@@ -99,6 +100,7 @@ class StackContext:
         self.rank, self.world_size = rank, world_size
         self.results: dict[str, Any] = {}
         self.engine_entries = 0
+        self._backwards = 0  # main-thread engine exits, numbering the RNG records
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -106,11 +108,22 @@ class StackContext:
         """The subject's context (``cagrad.enable(backend)``, torch's
         ``compiled_autograd._enable(...)``, nothing for eager). Enter it
         where :attr:`Stack.placement` says; it may be entered many times,
-        from several threads."""
+        from several threads.
+
+        Leaving it on the main thread records the random streams as the
+        backward left them (``rng after backward <k>``, ``k`` from 0: the
+        CPU generator's and, where CUDA is initialized, each CUDA
+        generator's state as a sha256 prefix, :mod:`harness.global_state`),
+        so the suite compares them with eager's after every step: the next
+        forward's dropout draws from them. Worker threads' backwards are
+        not recorded (their order against each other is not fixed)."""
         with self._lock:
             self.engine_entries += 1
         with self.subject.active():
             yield
+        if threading.current_thread() is threading.main_thread():
+            self.record(f"rng after backward {self._backwards}", random_streams())
+            self._backwards += 1
 
     def record(self, name: str, value: Any) -> None:
         """Stores a snapshot of ``value`` (tensors detached and cloned,
@@ -146,6 +159,12 @@ class StackContext:
         """Standard-normal float32 data of ``shape`` drawn on the CPU from
         ``generator`` and moved to :attr:`device` (identical on every device)."""
         return torch.randn(*shape, generator=generator).to(self.device)
+
+
+def random_streams() -> dict[str, Any]:
+    """The random streams now: ``{"cpu_rng": str, "cuda_rng": tuple | None}``
+    (:data:`harness.global_state.FIELDS`' readers)."""
+    return {name: global_state.FIELDS[name]() for name in ("cpu_rng", "cuda_rng")}
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -188,6 +188,28 @@ def test_planted_mismatch_is_named_and_measured():
     assert first_step == {"step0.grad.2.weight", "step0.param.2.weight"}
 
 
+class DrawsAfterBackward(EagerSubject):
+    """Test-only: eager autograd that draws one number from the global CPU
+    generator as its engine context exits (right gradients)."""
+
+    def __init__(self) -> None:
+        super().__init__("draws_after_backward")
+
+    @contextlib.contextmanager
+    def active(self):
+        yield
+        torch.rand(())
+
+
+def test_a_subject_that_draws_is_caught_at_the_first_backward():
+    outcome = only("mlp_sgd", DrawsAfterBackward())
+    assert outcome.status is StackStatus.MISMATCH
+    # the grads of the first step match; the stream after its backward does
+    # not (and the later steps' data are drawn from a ctx generator: equal)
+    assert outcome.first_differing == "rng after backward 0['cpu_rng']"
+    assert [m.where for m in outcome.mismatches] == [f"rng after backward {k}['cpu_rng']" for k in range(3)]
+
+
 def test_planted_error_is_reported_with_type_and_message():
     outcome = only("mlp_sgd", RaisesOnEntry(RuntimeError("planted engine failure")))
     assert outcome.status is StackStatus.ERROR and outcome.eager_error is None
