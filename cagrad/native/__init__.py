@@ -102,7 +102,10 @@ def load() -> Native | None:
     if _native is None:
         with _lock:
             if _native is None:
-                _native = _load() or False
+                # its self-tests draw random tensors; the backward that
+                # loads it must leave the RNG as eager does
+                with torch.random.fork_rng(devices=[]):
+                    _native = _load() or False
     return _native or None
 
 
