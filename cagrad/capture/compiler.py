@@ -60,6 +60,7 @@ from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
 from . import runtime_ops
+from .shells import LiftedShell
 
 log = logging.getLogger("cagrad")
 
@@ -419,7 +420,10 @@ class AutogradCompilerInstance:
         proxy of the last position wins, and a later hit where the two are
         different tensors used the wrong one).
         """
-        if not self.symbolic:
+        if isinstance(t, LiftedShell) and not self.symbolic:
+            # a trace after the run freed the tensor (cagrad.capture.shells)
+            shape, stride, offset = list(t.shape), list(t.stride()), t.storage_offset()
+        elif not self.symbolic:
             fake = self.fake_mode.from_tensor(t)
             if id(fake) not in handed_out:
                 handed_out.add(id(fake))
