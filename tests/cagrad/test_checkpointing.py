@@ -258,3 +258,31 @@ def test_non_reentrant_checkpoint_hits_from_the_second_backward(backend):
     assert c["captures"] == 1 and c["deopts"] == 1 and c["retraces"] == 1
     assert c["cache_hits"] == backwards - 1
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reentrant_checkpoints_inner_backwards_run_through_cagrad(backend):
+    """``checkpoint(..., use_reentrant=True)`` is a custom Function whose
+    backward recomputes the region and calls ``torch.autograd.backward`` on
+    it. That inner backward is the user's too: cagrad captures it once and
+    hits after, beside the outer one (two graphs, two backwards a step).
+    Gradients and ``.grad`` strides are eager's."""
+    steps = 3
+
+    def build():
+        model = _OddLayoutBlock()
+        x = torch.randn(3, 4, requires_grad=True)
+        out = []
+        for _ in range(steps):
+            checkpoint(model, x, use_reentrant=True).pow(2).sum().backward()
+            out.append([(g.clone(), g.stride()) for g in _grads(model, x)])
+        return out
+
+    expected, actual = run_both(build, backend)
+    for e_step, a_step in zip(expected, actual):
+        for (e, e_strides), (a, a_strides) in zip(e_step, a_step):
+            same(e, a)
+            assert a_strides == e_strides
+    c = cagrad.counters
+    assert c["fallbacks"] == 0, dict(c["fallback_reasons"])
+    assert c["backwards"] == 2 * steps
+    assert c["captures"] == 2 and c["cache_hits"] == 2 * steps - 2
