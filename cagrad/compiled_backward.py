@@ -151,7 +151,7 @@ def trace(
     profile: dict | None = None,
     dynamic_slots: frozenset[int] = frozenset(),
     force_opaque: frozenset[int] = frozenset(),
-    distinct_slots: frozenset[int] = frozenset(),
+    distinct_slots: Any = frozenset(),
 ) -> Traced:
     """Captures ``collected`` into a GraphModule (no compile, no run).
 
@@ -159,7 +159,9 @@ def trace(
         profile: None patterns seen at speculative calls before.
         dynamic_slots: size slots to trace as symbols.
         distinct_slots: of those, slots not duck-sized with slots outside
-            them (see :class:`~cagrad.capture.compiler.AutogradCompilerInstance`).
+            them, each with its values at the earlier captures, which it
+            must share with a slot to share its symbol (see
+            :class:`~cagrad.capture.compiler.AutogradCompilerInstance`).
         force_opaque: run-order positions of nodes to call as they are
             instead of tracing them (they failed to trace before).
 
@@ -204,7 +206,7 @@ def trace_with_retries(
     """
     while True:
         try:
-            return trace(collected, node.profile, dynamic_slots, node.force_opaque, node.distinct_slots)
+            return trace(collected, node.profile, dynamic_slots, node.force_opaque, _distinct_history(node))
         except HookTraceFailed:
             collector = collected.collector
             if not collector.traced_hooks:
@@ -221,6 +223,13 @@ def trace_with_retries(
             else:
                 log.info("cagrad runs a node as it is (%s): %s", e.reason, detail)
             node.force_opaque = node.force_opaque | {e.pos}
+
+
+def _distinct_history(node: CacheNode) -> dict[int, tuple[int, ...]]:
+    """Each of ``node``'s distinct slots with its values at the captures of
+    its variants: what two of them must share to share a symbol."""
+    expected = [v.check.expected for v in node.variants]
+    return {k: tuple(values[k] for values in expected) for k in sorted(node.distinct_slots)}
 
 
 @dataclasses.dataclass
