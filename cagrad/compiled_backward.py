@@ -667,11 +667,16 @@ def _retrace(
     their metadata (``collected.shells``). Counted as
     ``counters["retraces"]``, not as a capture (no backward was added).
 
+    Not where tensor hooks were traced into the graph: a hook may have
+    changed its tensor's hook dict during the run (removed itself), and
+    the trace reads the dict as it is now, while the keys recorded it as
+    it was; the next backward recaptures then.
+
     Never raises: a failure is logged, and the next backward captures (or
     falls back) as it would have without this.
     """
     shells = collected.shells
-    if node.verdict is not None or shells is None:
+    if node.verdict is not None or shells is None or collected.collector.traced_hooks:
         return
     args = collected.collector.args
     tensors = args.tensors
