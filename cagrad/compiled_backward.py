@@ -662,9 +662,10 @@ def _retrace(
     """Traces a backward again at the end of its first run, which failed a
     check: the new variant assumes what the run saw (``node.profile``, as
     :func:`_respeculate` left it), so the next backward with these keys
-    hits instead of capturing. The saved tensors are still there (the run
-    freed them through their holders) and the lifted tensors are read from
-    their metadata (``collected.shells``). Counted as
+    hits instead of capturing. The trace swaps the holders still in the
+    saved-tensor slots for fakes (the run freed the tensors through them,
+    :func:`cagrad.run.runtime.run_segmented`), made from the lifted
+    tensors' metadata (``collected.shells``). Counted as
     ``counters["retraces"]``, not as a capture (no backward was added).
 
     Not where tensor hooks were traced into the graph: a hook may have
