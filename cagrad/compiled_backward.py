@@ -55,12 +55,15 @@ class CollectedBackward:
             node plans.
         task_key: the ``GraphTask`` key (roots, inputs, mode).
         node_keys: one CacheKey per node in run order.
+        shells: the lifted tensors' metadata, kept by a first run for a
+            trace after it (:func:`cagrad.run.runtime.run_segmented`).
     """
 
     task: GraphTask
     collector: Collector
     task_key: CacheKey
     node_keys: list[CacheKey]
+    shells: list | None = None
 
     @property
     def keys(self) -> list[CacheKey]:
@@ -148,7 +151,7 @@ def trace(
     profile: dict | None = None,
     dynamic_slots: frozenset[int] = frozenset(),
     force_opaque: frozenset[int] = frozenset(),
-    distinct_slots: frozenset[int] = frozenset(),
+    distinct_slots: Any = frozenset(),
 ) -> Traced:
     """Captures ``collected`` into a GraphModule (no compile, no run).
 
@@ -156,7 +159,9 @@ def trace(
         profile: None patterns seen at speculative calls before.
         dynamic_slots: size slots to trace as symbols.
         distinct_slots: of those, slots not duck-sized with slots outside
-            them (see :class:`~cagrad.capture.compiler.AutogradCompilerInstance`).
+            them, each with its values at the earlier captures, which it
+            must share with a slot to share its symbol (see
+            :class:`~cagrad.capture.compiler.AutogradCompilerInstance`).
         force_opaque: run-order positions of nodes to call as they are
             instead of tracing them (they failed to trace before).
 
@@ -201,7 +206,7 @@ def trace_with_retries(
     """
     while True:
         try:
-            return trace(collected, node.profile, dynamic_slots, node.force_opaque, node.distinct_slots)
+            return trace(collected, node.profile, dynamic_slots, node.force_opaque, _distinct_history(node))
         except HookTraceFailed:
             collector = collected.collector
             if not collector.traced_hooks:
@@ -218,6 +223,13 @@ def trace_with_retries(
             else:
                 log.info("cagrad runs a node as it is (%s): %s", e.reason, detail)
             node.force_opaque = node.force_opaque | {e.pos}
+
+
+def _distinct_history(node: CacheNode) -> dict[int, tuple[int, ...]]:
+    """Each of ``node``'s distinct slots with its values at the captures of
+    its variants: what two of them must share to share a symbol."""
+    expected = [v.check.expected for v in node.variants]
+    return {k: tuple(values[k] for values in expected) for k in sorted(node.distinct_slots)}
 
 
 @dataclasses.dataclass
@@ -351,17 +363,26 @@ def run(
         result = runtime.finish_whole(entry, [c.node for c in collected.task.order], outs)
     else:
         deopts = entry.deopts
+        # captured in this backward: where the run fails a check, the
+        # backward is traced again at its end (see _retrace)
+        retraceable = found is None and entry.calls == 0
+        release_early = not call.keep_graph
+
+        def run_it() -> list:
+            return runtime.run_segmented(entry, collected, graph_sizes, sym_values, release_early, retraceable)
+
         with events.running():
             if collected.collector.needs_host:
                 # hooks added from C++ may queue callbacks from C++
-                result = host.run_hosted(
-                    lambda: runtime.run_segmented(entry, collected, graph_sizes, sym_values, not call.keep_graph),
-                    eager_engine,
-                )
+                result = host.run_hosted(run_it, eager_engine)
             else:
-                result = runtime.run_segmented(entry, collected, graph_sizes, sym_values, not call.keep_graph)
+                result = run_it()
         if entry.deopts != deopts:
             _respeculate(node, entry)
+            if retraceable:
+                _retrace(collected, cache, node, compiler_fn, compile_graph, dynamic)
+        if retraceable:
+            collected.shells = None
     if not call.keep_graph:
         runtime.release(collected, lifted=not early_release)
     if call.accumulate_grad:
@@ -618,6 +639,58 @@ def _respeculate(node: CacheNode, entry: CompiledEntry) -> None:
         )
 
 
+def _count_capture(root: CacheNode, state_change: Any, shape_change: bool) -> None:
+    counters.bump("captures")
+    if state_change:
+        counters.bump("recompiles_global_state")
+        logs.verbose_log.debug("global state changed since this graph was compiled: %s", state_change)
+    elif shape_change:
+        counters.bump("recompiles_shape")
+    elif root.captures:
+        counters.bump("recompiles_new_node")
+    root.captures += 1
+
+
+def _retrace(
+    collected: CollectedBackward,
+    root: CacheNode,
+    node: CacheNode,
+    compiler_fn: Any,
+    compile_graph: Callable[..., Callable[..., Any]],
+    dynamic: bool | None,
+) -> None:
+    """Traces a backward again at the end of its first run, which failed a
+    check: the new variant assumes what the run saw (``node.profile``, as
+    :func:`_respeculate` left it), so the next backward with these keys
+    hits instead of capturing. The trace swaps the holders still in the
+    saved-tensor slots for fakes (the run freed the tensors through them,
+    :func:`cagrad.run.runtime.run_segmented`), made from the lifted
+    tensors' metadata (``collected.shells``). Counted as
+    ``counters["retraces"]``, not as a capture (no backward was added).
+
+    Not where tensor hooks were traced into the graph: a hook may have
+    changed its tensor's hook dict during the run (removed itself), and
+    the trace reads the dict as it is now, while the keys recorded it as
+    it was; the next backward recaptures then.
+
+    Never raises: a failure is logged, and the next backward captures (or
+    falls back) as it would have without this.
+    """
+    shells = collected.shells
+    if node.verdict is not None or shells is None or collected.collector.traced_hooks:
+        return
+    args = collected.collector.args
+    tensors = args.tensors
+    args.tensors = shells
+    try:
+        _capture(collected, root, node, compiler_fn, compile_graph, dynamic, retrace=True)
+    except Exception as e:  # noqa: BLE001 - the backward itself is done and right
+        node.verdict = None  # this backward's own capture did not fail; the next one decides
+        log.info("cagrad: tracing a backward again after its run failed (%s: %s); the next one captures", type(e).__name__, e)
+    finally:
+        args.tensors = tensors
+
+
 def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_sizes: bool = False) -> frozenset[int]:
     """Which size slots to trace as symbols for a new variant.
 
@@ -685,14 +758,21 @@ def _capture(
     dynamic: bool | None,
     reason: Any = None,
     disk: disk_cache.DiskCache | None = None,
+    retrace: bool = False,
 ) -> CompiledEntry:
+    """Traces and compiles a new variant of ``node``'s graph.
+
+    ``retrace``: at the end of a backward whose first run failed a check
+    (:func:`_retrace`): counted as ``retraces``, not as a capture.
+    """
     if len(node.variants) >= MAX_VARIANTS:
         node.verdict = FallbackVerdict(
             "too_many_size_variants",
             f"{MAX_VARIANTS} variants of one graph (sizes or global states) were compiled",
         )
         raise Unsupported(node.verdict.reason, node.verdict.detail)
-    logs.miss(reason)
+    if not retrace:
+        logs.miss(reason)
     sizes = collected.collector.sizes
     state_change = node.state_change(sizes.values)
     shape_change = bool(node.variants) and not state_change
@@ -705,15 +785,10 @@ def _capture(
     except Unsupported as u:
         node.verdict = FallbackVerdict(u.reason, u.detail)
         raise
-    counters.bump("captures")
-    if state_change:
-        counters.bump("recompiles_global_state")
-        logs.verbose_log.debug("global state changed since this graph was compiled: %s", state_change)
-    elif shape_change:
-        counters.bump("recompiles_shape")
-    elif root.captures:
-        counters.bump("recompiles_new_node")
-    root.captures += 1
+    if retrace:
+        counters.bump("retraces")
+    else:
+        _count_capture(root, state_change, shape_change)
     symbolic = not traced.check.is_static
     if dynamic_slots and not dynamic:
         logs.verbose_log.debug(

@@ -22,6 +22,8 @@ _INT_KEYS = (
     # algorithms, thread count, ...) no compiled variant of that graph was compiled in
     "deopts",  # compiled backwards finished by the interpreter (a hook or opaque
     # node returned None where the graph assumed a gradient)
+    "retraces",  # graphs traced again at the end of a deopted first run, assuming what
+    # it saw, so that the next backward hits (not captures: no backward was added)
     "segment_compile_failures",  # graph segments run uncompiled after a backend error
     "backend_compiles",  # graphs (whole or segments) a named backend compiled directly
     "dynamo_compiles",  # of those, ones handed to torch.compile instead (Dynamo
@@ -48,7 +50,7 @@ class Counters(Mapping[str, Any]):
 
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
     ``guard_hits``, ``fallbacks``, ``recompiles_shape``,
-    ``recompiles_new_node``, ``recompiles_global_state``, ``deopts``, ``segment_compile_failures``,
+    ``recompiles_new_node``, ``recompiles_global_state``, ``deopts``, ``retraces``, ``segment_compile_failures``,
     ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
     ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
     ``cudagraph_early_replays``, ``cudagraph_wasted_replays``, ``cudagraph_evictions``,

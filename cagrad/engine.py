@@ -106,12 +106,14 @@ class CagradEngine:
         )
         stack = getattr(_tls, "stack", None)
         state = stack[-1] if stack else None
-        if state is None or getattr(_tls, "busy", False) or _tracing():
+        busy = getattr(_tls, "busy", False)
+        if state is None or (busy and not run_context.in_custom_backward()) or _tracing():
             # no cagrad context in this thread; or a backward started while
             # cagrad compiles or runs one, or one that torch.compile's own
             # tracing runs (AOTAutograd's joint graph, under FakeTensors):
             # eager, uncounted (part of a compile or of a hook, not a user's
-            # backward)
+            # backward). One that a custom Function's backward starts while
+            # cagrad runs it (a reentrant checkpoint's) is the user's: below
             return call.run_eager(self._eager)
         ctx = run_context.RunContext(create_graph=bool(create_graph), keep_graph=bool(keep_graph))
         with _lock:
@@ -134,7 +136,7 @@ class CagradEngine:
                         disk=state.disk,
                     )
                 finally:
-                    _tls.busy = False
+                    _tls.busy = busy  # True again after a nested backward
                     if gc_was_enabled:
                         gc.enable()
                 # eager runs the final callbacks after the whole backward, still

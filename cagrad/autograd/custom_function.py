@@ -181,9 +181,11 @@ def apply(
         elif getattr(node._forward_cls, "boxed_grads_call", False):
             # PyNode::apply hands such backwards (AOTAutograd's compiled
             # ones) the gradients as one mutable list
-            r = node.apply_boxed(list(args))
+            with run_context.custom_backward():
+                r = node.apply_boxed(list(args))
         else:
-            r = node.apply(*args)
+            with run_context.custom_backward():
+                r = node.apply(*args)
     r = r if isinstance(r, tuple) else (r,)
     n_inputs = len(record.is_variable_input)
     if len(r) > n_inputs and all(x is None for x in r[n_inputs:]):

@@ -177,6 +177,26 @@ def delegated() -> Iterator[None]:
         ctx.delegated -= 1
 
 
+@contextlib.contextmanager
+def custom_backward() -> Iterator[None]:
+    """A custom Function's own backward runs in this block (cagrad calls it
+    as ``PyNode::apply`` does). A backward it starts (a reentrant
+    ``torch.utils.checkpoint`` recomputes its region and calls
+    ``torch.autograd.backward`` on it) is a backward of the user's, which
+    ``cagrad.engine`` runs through cagrad like the outer one."""
+    depth = getattr(_tls, "custom_depth", 0)
+    _tls.custom_depth = depth + 1
+    try:
+        yield
+    finally:
+        _tls.custom_depth = depth
+
+
+def in_custom_backward() -> bool:
+    """Whether this thread is inside :func:`custom_backward`."""
+    return getattr(_tls, "custom_depth", 0) > 0
+
+
 def queue(callback: Callable[[], Any]) -> bool:
     """Queues ``callback`` on this thread's cagrad backward.
 

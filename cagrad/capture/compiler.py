@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
 from . import runtime_ops
+from .shells import LiftedShell
 
 log = logging.getLogger("cagrad")
 
@@ -318,16 +319,23 @@ class AutogradCompilerInstance:
         force_opaque: positions of nodes to run as they are (they failed to
             trace before).
         distinct_slots: slots that changed while slots of the same value
-            did not, in an earlier backward of these keys.
+            did not, in an earlier backward of these keys, each mapped to
+            its values in the earlier captures of these keys (a set: no
+            history).
 
     Duck sizing: dynamic slots with the same value at capture share one
     symbol, as ``torch.compile``'s ShapeEnv does by default, except that
-    ``distinct_slots`` share symbols only among themselves. Giving each slot
-    a symbol of its own instead made the trace learn every equality the
-    graph needs as a guard (one sympy evaluation each) and cost 4-5x the
-    static trace; the price of duck sizing is one more capture when two
-    sizes that were equal stop being equal (a batch of 4 beside a layer of
-    width 4), after which they stay apart.
+    ``distinct_slots`` share symbols only among themselves, and only those
+    that had equal values in every earlier capture too: sizes that were
+    told apart once (two experts of a mixture that received 3 and 5 tokens)
+    never share a symbol again because their values happen to be equal at
+    this capture (both 4), which made data-dependent sizes recapture at
+    most steps. Giving each slot a symbol of its own instead made the trace
+    learn every equality the graph needs as a guard (one sympy evaluation
+    each) and cost 4-5x the static trace; the price of duck sizing is one
+    more capture when two sizes that were equal in every capture so far
+    stop being equal (a batch of 4 beside a layer of width 4), after which
+    they stay apart.
     """
 
     def __init__(
@@ -338,7 +346,7 @@ class AutogradCompilerInstance:
         profile: dict | None = None,
         dynamic_slots: frozenset[int] = frozenset(),
         force_opaque: frozenset[int] = frozenset(),
-        distinct_slots: frozenset[int] = frozenset(),
+        distinct_slots: Mapping[int, tuple[int, ...]] | frozenset[int] = frozenset(),
     ) -> None:
         self.task = task
         self.collector = collector
@@ -363,10 +371,11 @@ class AutogradCompilerInstance:
                 allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=self.shape_env
             )
             by_symbol: dict[Any, torch.SymInt] = {}
-            duck: dict[tuple[int, bool], Any] = {}
+            duck: dict[tuple[Any, ...], Any] = {}
+            history = distinct_slots if isinstance(distinct_slots, Mapping) else {}
             for k in sorted(dynamic_slots):
                 v = values[k]
-                group = (v, k in distinct_slots)
+                group = (v, k in distinct_slots, history.get(k, ()))
                 sym = duck.get(group)
                 if sym is None:
                     source = ConstantSource(f"size{k}")
@@ -419,7 +428,10 @@ class AutogradCompilerInstance:
         proxy of the last position wins, and a later hit where the two are
         different tensors used the wrong one).
         """
-        if not self.symbolic:
+        if isinstance(t, LiftedShell) and not self.symbolic:
+            # a trace after the run freed the tensor (cagrad.capture.shells)
+            shape, stride, offset = list(t.shape), list(t.stride()), t.storage_offset()
+        elif not self.symbolic:
             fake = self.fake_mode.from_tensor(t)
             if id(fake) not in handed_out:
                 handed_out.add(id(fake))

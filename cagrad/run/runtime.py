@@ -25,6 +25,7 @@ from ..autograd import run_context, saved_variables
 from ..autograd.accumulate import accumulate_all, dense_strides, stealable_outputs
 from ..autograd.walk import Kind
 from ..capture import segments
+from ..capture.shells import shells
 from ..capture.compiler import NON_STRIDED, dimension_order, runtime_objects
 from ..compile.cuda_graphs import BorrowedOutputs
 from ..counters import counters
@@ -87,7 +88,12 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
 
 
 def run_segmented(
-    entry: Any, collected: Any, sizes: list[int], sym_values: list[int], release_early: bool = False
+    entry: Any,
+    collected: Any,
+    sizes: list[int],
+    sym_values: list[int],
+    release_early: bool = False,
+    retraceable: bool = False,
 ) -> list:
     """Runs a segmented backward; returns the ``autograd.grad`` results.
 
@@ -95,6 +101,12 @@ def run_segmented(
     saved tensors are freed as soon as the run is past the node, instead of
     after the run (:class:`_PastNodes`), and the run holds the only
     references to the lifted tensors (``collected``'s list is emptied).
+    ``retraceable`` (the first run of a capture): the backward can still be
+    traced after the run (:func:`cagrad.compiled_backward.run` does where a
+    check failed): the lifted tensors' metadata is kept in
+    ``collected.shells`` (:mod:`cagrad.capture.shells`) and the saved
+    tensors freed early are dropped from the holders that a trace swaps
+    for fakes, not with the holders (the memory is freed at the same point).
     """
     traced = entry.traced
     order = collected.run_order()
@@ -129,10 +141,12 @@ def run_segmented(
         return []
 
     inputs = graph_inputs(entry, collected.collector.args.tensors)
+    if retraceable:
+        collected.shells = shells(collected.collector.args.tensors)
     past = None
     if release_early:
         collected.collector.args.tensors.clear()
-        past = _PastNodes(collected, order)
+        past = _PastNodes(collected, order, keep_holders=retraceable)
     with run_context.grad_mode():
         outs = segments.run(
             entry.segmented,
@@ -205,9 +219,12 @@ class _PastNodes:
     backward at a later position.
     """
 
-    def __init__(self, collected: Any, order: Sequence[Any]) -> None:
-        """``order``: the backward's nodes in run order (``collected.run_order()``)."""
+    def __init__(self, collected: Any, order: Sequence[Any], keep_holders: bool = False) -> None:
+        """``order``: the backward's nodes in run order (``collected.run_order()``);
+        ``keep_holders``: lifted slots are freed through their holders
+        (see :func:`run_segmented`'s ``retraceable``)."""
         self.collected = collected
+        self.keep_holders = keep_holders
         self.count = len(order)
         position = {id(node): pos for pos, node in enumerate(order) if node is not None}
         by_pos: dict[int, tuple[list, list]] = {}
@@ -237,13 +254,21 @@ class _PastNodes:
         self.done = k
         slots = [slot for _, (slots_, _) in batch for slot in slots_]
         calls = [call for _, (_, calls_) in batch for call in calls_]
-        _release_nodes(self.collected, slots, calls)
+        _release_nodes(self.collected, slots, calls, self.keep_holders)
 
 
-def _release_nodes(collected: Any, slots: Sequence[Any], calls: Sequence[Any]) -> None:
+def _release_nodes(collected: Any, slots: Sequence[Any], calls: Sequence[Any], keep_holders: bool = False) -> None:
     """Frees the saved tensors of the nodes of lifted ``slots`` and of the
     nodes run as they are (``calls``, NodeCalls of
-    ``collected.collector.releases``)."""
+    ``collected.collector.releases``); with ``keep_holders``, the slots'
+    tensors through their holders, which a later trace still swaps for
+    fakes (the engine's ``release_variables`` drops the holders too)."""
+    if keep_holders:
+        release_one = saved_variables.release
+        for slot in slots:
+            if slot is not None:
+                release_one(slot)
+        slots = []
     nodes = _nodes_of(slots)
     nodes.extend(call.node for call in calls)
     if saved_variables.release_nodes(nodes):

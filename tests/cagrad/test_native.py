@@ -41,6 +41,17 @@ def test_every_function_passes_its_self_test(built):
     assert accumulate._native_fns() is not None
 
 
+def test_loading_the_extension_leaves_the_rng_as_it_was(built, monkeypatch):
+    """The extension loads in the first backward that needs it, and its
+    self-tests draw random tensors: that backward must leave the CPU RNG
+    where eager leaves it (a later ``torch.randn`` drew other values)."""
+    monkeypatch.setattr(native, "_native", None)  # load (and self-test) again
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert native.load() is not None
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_collects_self_test_rejects_a_runner_that_disagrees(built):
     from cagrad.native import self_tests
 
