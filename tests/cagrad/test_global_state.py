@@ -204,22 +204,29 @@ def test_preserved_restores_after_an_exception() -> None:
 # -- a seeded training loop with dropout -----------------------------------------------------------
 
 
-def _train(engine: Callable[[], contextlib.AbstractContextManager], steps: int = 20) -> tuple[list, list, str]:
+def _train(
+    engine: Callable[[], contextlib.AbstractContextManager],
+    steps: int = 20,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float64,
+) -> tuple[list, list, tuple]:
     """20 SGD steps of Linear(6, 16) -> dropout(0.5) -> ReLU -> Linear(16, 1),
     without biases, on batches of 8, float64, data and dropout masks from
     the global generator seeded once. Its backward rounds only in the
     matmuls (dropout scales by 2, ReLU selects, MSE's gradient divides by
     8), so inductor's code rounds it as eager does, bit for bit. (A bias's
     gradient is a sum that inductor adds in another order: the last bit
-    differs, under torch's own compiled autograd as under cagrad.)"""
+    differs, under torch's own compiled autograd as under cagrad.) On CUDA
+    (float32) the batches and masks come from the CUDA generator, whose
+    state is returned beside the CPU one."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16, bias=False), torch.nn.Dropout(0.5), torch.nn.ReLU(), torch.nn.Linear(16, 1, bias=False)
-    ).double()
+    ).to(device, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses, grads = [], []
     for _ in range(steps):
-        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+        x, y = torch.randn(8, 6, dtype=dtype, device=device), torch.randn(8, 1, dtype=dtype, device=device)
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         with engine():
@@ -227,7 +234,8 @@ def _train(engine: Callable[[], contextlib.AbstractContextManager], steps: int =
         losses.append(loss.item())
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
-    return losses, grads, global_state.capture().values["cpu_rng"]
+    state = global_state.capture().values
+    return losses, grads, (state["cpu_rng"], state["cuda_rng"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -239,6 +247,20 @@ def test_seeded_training_with_dropout_is_bit_identical(backend: str) -> None:
     for step, (a, b) in enumerate(zip(grads, got_grads)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
     assert got_rng == rng
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_cuda_training_with_dropout_is_bit_identical(backend: str) -> None:
+    """The same loop in float32 on the GPU: the CUDA generator draws the
+    batches and dropout masks, and must be left where eager leaves it."""
+    losses, grads, rng = _train(contextlib.nullcontext, device="cuda", dtype=torch.float32)
+    got_losses, got_grads, got_rng = _train(lambda: cagrad.enable(backend), device="cuda", dtype=torch.float32)
+    assert cagrad.counters["captures"] == 1 and cagrad.counters["fallbacks"] == 0
+    assert got_losses == losses
+    for step, (a, b) in enumerate(zip(grads, got_grads)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {step}"
+    assert got_rng == rng and rng[1] is not None  # the CUDA generator was read
 
 
 # -- once per process: import, and the first backward (extension build, self-tests) ----------------
