@@ -271,6 +271,7 @@ def test_seeded_training_with_dropout_is_bit_identical(backend: str) -> None:
 _CHILD = textwrap.dedent(
     """
     import json, torch
+    import torch._dynamo, torch._functorch.config, torch._inductor.config  # read their configs from the start
     from harness import global_state as gs
 
     def program():
