@@ -97,7 +97,6 @@ import torch._dynamo.compiled_autograd as _ca
 from torch.autograd.variable import Variable
 
 from . import api, engine, events
-from .preserve import preserved
 
 log = logging.getLogger("cagrad")
 
@@ -185,8 +184,7 @@ class _SharedCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
         cid = _capture_id()
-        with preserved():  # eager runs no compiler: what it changes must not show
-            compiled = self.compiler_fn(gm)
+        compiled = self.compiler_fn(gm)
         make_ctx = getattr(_ca, "make_compile_context", None)
         if cid is None or make_ctx is None:
             return compiled

@@ -21,7 +21,12 @@ the comparison itself crash; the same reader fails alike on both sides, so it
 never reports a difference that is not there.
 
 CUDA generators are read only where CUDA is already initialized: reading them
-would otherwise initialize CUDA, which is itself a change of state.
+would otherwise initialize CUDA, which is itself a change of state. Likewise
+a config is read only where its module is already imported (importing
+``torch._dynamo`` takes seconds, and a fuzz worker times each program): a
+config field is ``None`` until then, and a ``None`` on either side of a
+comparison is no difference (a module imported in between starts from its
+defaults).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import sys
 from typing import Any, Callable
 
 import torch
@@ -91,9 +97,9 @@ def _text(value: Any) -> str:
 
 def _config(module_name: str) -> Callable[[], Any]:
     def read() -> Any:
-        import importlib
-
-        mod = importlib.import_module(module_name)
+        mod = sys.modules.get(module_name)
+        if mod is None:
+            return None  # not imported: not read (see the module docstring)
         cfg = mod.get_config_copy()
         # values are compared by their text: some are callables or objects
         # without a useful __eq__; sorted so the text is stable
@@ -183,13 +189,16 @@ class GlobalState:
         """The fields whose values differ, in :data:`FIELDS` order.
 
         Config fields report only the keys that changed, as
-        ``(key, value)`` pairs on each side.
+        ``(key, value)`` pairs on each side, and nothing where either read
+        found the module not imported (``None``).
         """
         out = []
         for name in self.values:
             a, b = self.values[name], other.values.get(name)
             if a == b:
                 continue
+            if name.endswith("_config") and (a is None or b is None):
+                continue  # imported between the reads: nothing set it before
             if name.endswith("_config") and isinstance(a, tuple) and isinstance(b, tuple):
                 da, db = dict(a), dict(b)
                 keys = sorted(k for k in set(da) | set(db) if da.get(k) != db.get(k))

@@ -168,6 +168,31 @@ def test_a_compiler_that_changes_state_leaves_none_of_it(compiler: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads))
 
 
+@pytest.mark.parametrize("compiler", ["torch.compile", "draws"])
+def test_torch_compat_leaves_the_state_eager_leaves(compiler: str) -> None:
+    """torch's compiled-autograd entry point served by cagrad
+    (:mod:`cagrad.torch_compat`): its ``compiler_fn``, and the lazy Dynamo
+    compile of the graph at its first call."""
+    import cagrad.torch_compat as tc
+
+    def compile_lazily(gm: torch.fx.GraphModule) -> Callable:
+        return torch.compile(gm, backend="aot_eager", fullgraph=True)
+
+    compiler_fn = compile_lazily if compiler == "torch.compile" else _drawing_compiler
+    _DRAWN.clear()
+    torch._dynamo.reset()
+    try:
+        for build in (_hook_draws, _checkpoint_dropout):
+            expected, eager_grads = _run(build, contextlib.nullcontext)
+            got, grads = _run(build, lambda: tc._enable(compiler_fn))
+            assert _diff(expected, got) == [], build.__name__
+            assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads)), build.__name__
+        assert cagrad.counters["captures"] >= 2 and (compiler != "draws" or _DRAWN)
+    finally:
+        tc.reset()
+        torch._dynamo.reset()
+
+
 def test_preserved_puts_back_every_field_it_names() -> None:
     torch.manual_seed(0)
     before = global_state.capture()
@@ -268,6 +293,7 @@ def test_seeded_cuda_training_with_dropout_is_bit_identical(backend: str) -> Non
 _CHILD = textwrap.dedent(
     """
     import json, torch
+    import torch._dynamo, torch._functorch.config, torch._inductor.config  # read their configs from the start
     from harness import global_state as gs
 
     def program():

@@ -131,6 +131,19 @@ def test_left_differently_expects_eagers_change_and_otherwise_the_start() -> Non
     assert [(d.field, d.expected, d.actual) for d in diffs] == [("cpu_rng", "b", "c"), ("grad_enabled", True, False)]
 
 
+def test_a_config_is_read_only_once_its_module_is_imported(monkeypatch) -> None:
+    # importing torch._dynamo takes seconds: a read must not do it (a fuzz
+    # worker times each program), and a module imported between two reads
+    # is no difference
+    monkeypatch.delitem(__import__("sys").modules, "torch._inductor.config")
+    unread = global_state.capture()
+    assert unread.values["inductor_config"] is None
+    monkeypatch.undo()
+    read = global_state.capture()
+    assert read.values["inductor_config"] is not None
+    assert unread.diff(read) == [] and read.diff(unread) == []
+
+
 def test_config_values_compare_by_content_not_set_order() -> None:
     a = global_state._text({"b", "a", "c"})
     assert a == global_state._text({"c", "b", "a"}) == "{'a', 'b', 'c'}"
