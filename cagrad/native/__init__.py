@@ -98,14 +98,42 @@ _native: Native | bool | None = None  # None: not tried yet; False: unavailable
 
 def load() -> Native | None:
     """The extension, built and self-tested on first call; None where it
-    cannot be built or its hook reader fails its self-test (warned once)."""
+    cannot be built or its hook reader fails its self-test (warned once).
+
+    The first call builds and self-tests it in a thread of its own, so the
+    self-tests see none of the caller's thread-local state: not a functorch
+    transform around the first backward (``torch.func.grad``, ``vmap``: a
+    self-test's custom Function fails under them, which would leave the
+    process without the extension), nor the caller's dispatch modes, grad
+    mode or CUDA stream; the process-wide state they touch is put back
+    (:func:`cagrad.preserve.preserved`).
+    """
     global _native
     if _native is None:
         with _lock:
             if _native is None:
                 with preserved():  # the build and self-tests leave the user's state alone
-                    _native = _load() or False
+                    _native = _in_own_thread(_load) or False
     return _native or None
+
+
+def _in_own_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` run in a new thread (joined); its exception is re-raised here."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="cagrad-native-load", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _load() -> Native | None:
