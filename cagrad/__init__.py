@@ -21,6 +21,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters`` and
 ``autograd.run_context``        the running backward as torch's engine describes it
 ``autograd.formulas``           Python formulas for nodes that keep sizes as ints
 ``autograd._hook_counts``       hooks the census cannot see, from C++ hook lists
+``autograd.transforms``         backwards under a functorch transform (eager runs them)
 ``hooks/``
 ``hooks.hooks_census``          finding every hook a backward would run
 ``hooks.cpp_hooks``             hooks added from C++ (DDP's reducer) and their calls

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import events, explain, logs
-from .autograd import run_context, saved_variables
+from .autograd import run_context, saved_variables, transforms
 from .autograd.graph_task import GraphTask
 from .capture import segments
 from .capture.compiler import AutogradCompilerInstance, Traced
@@ -280,10 +280,12 @@ def run(
     counters.bump("backwards")
     outs = None
     try:
+        # first: under a functorch transform nothing may be collected or traced
+        transforms.check_active()
         check_supported_mode(call.create_graph)
         census = None
         fast = None
-        if cache.guards and hit_path.eligible_call(call):
+        if cache.guards and hit_path.eligible_call(call) and transforms.plain(call.tensors):
             census = Census()  # the full path below reuses it on a guard miss
             if hit_path.census_allows(census):  # else hooks are live and no guard can see them
                 early = _replay_early(cache.guards[0], call) if cuda_graphs else None
@@ -300,6 +302,7 @@ def run(
             collected = _guarded_segmented(call, cache, fast)
             node, found, sizes_values = fast.guard.node, fast.found, fast.hit.values
         else:
+            transforms.check_call(call.tensors, call.grad_tensors, call.inputs)
             collected = collect_backward(
                 call.tensors, call.grad_tensors, call.inputs, call.accumulate_grad, call.create_graph, census
             )

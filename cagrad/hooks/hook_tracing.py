@@ -19,7 +19,8 @@ else stays opaque, which is always correct:
 * no attribute it reads names an in-place method (``mul_``), something
   private (``_foo``), random sampling, or a side-effecting namespace or
   method (``distributed``, ``cuda``, ``register_hook``, ``data``, ``grad``,
-  ``item``, ``save``, ... see :data:`_DENIED_ATTRS`);
+  ``item``, ``save``, ... see :data:`_DENIED_ATTRS`), or a functorch
+  transform (``torch.func``, ``torch.vmap``: its backward runs in eager);
 * every global it reads is one of the modules in :data:`_MODULES`, a
   builtin in :data:`_BUILTINS`, a function or class of those modules, a
   dtype, or a constant (None, bool, int, float, complex, str, dtype,
@@ -86,6 +87,7 @@ _DENIED_ATTRS = frozenset(
     {
         "distributed", "cuda", "mps", "xpu", "backends", "autograd", "utils", "ops", "library",
         "compiler", "profiler", "distributions", "jit", "fx", "hub", "testing", "overrides",
+        "func", "vmap",  # functorch transforms (torch.func.*, torch.vmap): eager runs them
         "save", "load", "data", "grad", "register_hook", "register_post_accumulate_grad_hook",
         "retain_grad", "backward", "item", "tolist", "numpy", "storage", "untyped_storage",
         "data_ptr", "record_stream", "manual_seed", "seed", "initial_seed", "get_rng_state",

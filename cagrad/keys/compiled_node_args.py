@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..autograd import custom_function, saved_variables
+from ..autograd import custom_function, saved_variables, transforms
 from ..autograd.formulas import FORMULAS
 from ..autograd.graph_task import GraphTask, NodeCall
 from ..autograd.node_schema import NodeKind, NodeSchema
@@ -95,10 +95,12 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs) ->
         storage offset.
 
     Raises:
-        Unsupported: sparse/mkldnn/nested layouts and tensor subclasses.
+        Unsupported: sparse/mkldnn/nested layouts, tensor subclasses, and
+            tensors a functorch transform wrapped (``functorch_transform``).
     """
     if type(t) not in _PLAIN_TENSOR_TYPES:
         raise Unsupported("tensor_subclass", f"{what} is a {type(t).__name__}")
+    transforms.check_tensor(t, what)
     if t.layout is not _STRIDED:
         raise Unsupported("non_strided_tensor", f"{what} has layout {t.layout}")
     w.tag(b"t" if not t.requires_grad else b"r")
