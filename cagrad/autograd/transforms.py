@@ -46,8 +46,9 @@ _is_legacy_batched = _F.is_legacy_batchedtensor
 
 def describe(t: torch.Tensor) -> str | None:
     """What kind of functorch tensor ``t`` is (``"GradTrackingTensor
-    (level 1, dead)"``, ``"BatchedTensor (level 2)"``, ``"legacy
-    BatchedTensor"``, ...), or None for a tensor no transform wrapped."""
+    (dead: its transform has returned)"``, ``"BatchedTensor (level 2)"``,
+    ``"legacy BatchedTensor ..."``), or None for a tensor no transform
+    wrapped."""
     if _is_legacy_batched(t):
         return "legacy BatchedTensor (torch._vmap_internals._vmap)"
     if not _is_wrapped(t):
@@ -60,8 +61,9 @@ def describe(t: torch.Tensor) -> str | None:
         kind = "FunctionalTensorWrapper"
     else:
         kind = "functorch-wrapped tensor"
-    dead = ", dead" if _F.is_dead_tensor_wrapper(t) else ""
-    return f"{kind} (level {_F.maybe_get_level(t)}{dead})"
+    if _F.is_dead_tensor_wrapper(t):
+        return f"{kind} (dead: its transform has returned)"
+    return f"{kind} (level {_F.maybe_get_level(t)})"
 
 
 def _active_detail() -> str:

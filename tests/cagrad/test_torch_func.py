@@ -257,7 +257,7 @@ def test_wrapped_saved_tensor_found_by_collection(monkeypatch):
     assert cagrad.counters["captures"] == 0
 
 
-def test_dead_wrapper_root_takes_no_hit_guard(monkeypatch):
+def test_dead_wrapper_root_takes_no_hit_guard(monkeypatch, caplog):
     """A transform's intermediate kept past its level (a dead
     GradTrackingTensor) used as a root with ``backward()``: eager runs it,
     even where a hit guard of a plain graph of the same structure exists
@@ -284,8 +284,10 @@ def test_dead_wrapper_root_takes_no_hit_guard(monkeypatch):
             w = W0.clone().requires_grad_()
             (w.sin() * w).backward(g)
         root, leaf = leaked()
-        root.backward(g)
+        with caplog.at_level(logging.INFO, logger="cagrad"):
+            root.backward(g)
     same(expected, leaf.grad)
+    assert any("root 0 is a GradTrackingTensor (dead" in r.getMessage() for r in caplog.records)
     c = cagrad.counters
     assert (c["captures"], c["cache_hits"], c["guard_hits"]) == (1, 1, 1)
     # the transform's own backward, then the dead root's
