@@ -42,6 +42,7 @@ LOCAL = [
     "selective_checkpoint",
     "queue_callback",
     "double_backward",
+    "functional_jacobian",
     "sparse_embedding",
     "threads",
 ]
@@ -67,6 +68,15 @@ def test_local_stack_matches_eager(stack, subject):
     # every backward went through cagrad: at least one graph, no fallback
     assert outcome.counts.get("captures", 0) >= 1, outcome.counts
     assert outcome.counts.get("fallbacks", 0) == 0, outcome.fallback_reasons
+
+
+def test_func_grad_penalty_matches_eager_and_its_outer_backward_hits():
+    """torch.func.grad's own backward runs in eager (functorch_transform, a
+    stack allowed to fall back); the outer backward compiles once, then hits."""
+    outcome = only("func_grad_penalty", "cagrad[eager]")
+    assert_match(outcome)
+    assert outcome.fallback_reasons == {"functorch_transform": 3}
+    assert (outcome.counts["captures"], outcome.counts["cache_hits"]) == (1, 2)
 
 
 @pytest.mark.inductor
