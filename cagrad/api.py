@@ -12,6 +12,7 @@ import torch.fx
 
 from . import engine
 from . import explain as explain_mod
+from .autograd import transforms
 from .capture import leaf_hook_groups
 from .compile.backends import CompilerFn
 from .compile.cuda_graphs import check_mode
@@ -228,9 +229,12 @@ def backward_arguments(
 
 def collect_or_raise(outs: tuple, grads: tuple, ins: tuple, accumulate_grad: bool) -> CollectedBackward:
     """:func:`~cagrad.compiled_backward.collect_backward`, raising eager's own
-    error where eager would raise (a freed graph, a modified saved tensor)."""
+    error where eager would raise (a freed graph, a modified saved tensor),
+    and Unsupported under a functorch transform, before anything is collected
+    (:mod:`cagrad.autograd.transforms`)."""
     from .errors import EagerError
 
+    transforms.check_call(outs, grads, ins)
     try:
         return collect_backward(outs, grads, ins, accumulate_grad=accumulate_grad)
     except EagerError as e:

@@ -372,3 +372,30 @@ def test_error_eager_raises_is_eager_own():
     assert str(errors[0]) == str(errors[1])
     assert "backward through the graph a second time" in str(errors[0])
     assert dict(cagrad.counters["fallback_reasons"]) == {REASON: 2}
+
+
+def test_capture_and_explain_raise_unsupported_under_a_transform():
+    """``cagrad.capture`` and ``cagrad.explain`` of a backward a transform
+    would run raise ``cagrad.Unsupported`` with the reason, as documented
+    for a backward cagrad would not compile; nothing is traced."""
+    reasons = []
+
+    def f(x):
+        y = _f0(x)
+        for call in (lambda: cagrad.capture(y, inputs=x), lambda: cagrad.explain(y, inputs=x)):
+            with pytest.raises(cagrad.Unsupported) as e:
+                call()
+            reasons.append(e.value.reason)
+            assert "interpreter stack: Grad" in e.value.detail
+        return y
+
+    torch.func.grad(f)(W0.clone())
+    # a dead wrapper as the root, outside any transform
+    u = W0.clone()
+    kept = []
+    torch.func.grad(lambda t: kept.append(_fv0(t)) or t.sum())(u)
+    with pytest.raises(cagrad.Unsupported) as e:
+        cagrad.capture(kept[0], torch.ones(3, dtype=DT))
+    reasons.append(e.value.reason)
+    assert reasons == [REASON] * 3
+    assert cagrad.counters["captures"] == 0
