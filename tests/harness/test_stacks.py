@@ -222,11 +222,12 @@ def _rank1_hangs(ctx: StackContext) -> None:
 
 
 def test_a_rank_that_hangs_is_killed_and_reported():
-    start = time.monotonic()
+    # rank 1 sleeps for an hour: returning at all shows it was killed (no
+    # wall-clock bound asserted here; the run's 10 s is the hang detector,
+    # and rank 0's one-op step reports long before it)
     outcome = only("test_rank1_hangs", "cagrad[eager]", timeout=10)
     assert outcome.status is StackStatus.ERROR
     assert outcome.error.type == "TimeoutError" and outcome.error.message.startswith("rank 1: did not report")
-    assert time.monotonic() - start < 120
 
 
 def test_ranks_are_judged_one_by_one():
