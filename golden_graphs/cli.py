@@ -236,6 +236,7 @@ def review(
 
 
 @main.command("new-version", short_help="Make the running torch's snapshot set and review it against the last one.")
+@click.argument("names", nargs=-1)
 @click.option(
     "--against",
     metavar="MAJOR.MINOR",
@@ -249,13 +250,14 @@ def review(
     help="Write the review (markdown) to this file instead of printing it.",
 )
 @click.pass_obj
-def new_version(store: SnapshotStore, against: str | None, output: str | None) -> None:
+def new_version(store: SnapshotStore, names: tuple[str, ...], against: str | None, output: str | None) -> None:
     """Make the snapshot set of the running torch (``torch-<major>.<minor>/``,
-    every scenario) and review it against the set of the newest older torch
+    every scenario, or NAMES) and review it against the set of the newest older torch
     (or ``--against``): what the new torch changes in cagrad's graphs and
     keys, as markdown. Exit 1 when the set exists already (use ``accept``)
     or a scenario fails to capture; 2 on a bad ``--against``. The steps for
     a new torch are in docs/torch-versions.md."""
+    selected = _names_arg(names)
     console = _console()
     if store.exists():
         console.print(f"golden_graphs: {store.display()} exists already; re-accept it with: {_accept_hint(store)}")
@@ -269,13 +271,13 @@ def new_version(store: SnapshotStore, against: str | None, output: str | None) -
             raise click.BadParameter(str(e), param_hint="--against") from None
         if not SnapshotStore(store.root, base).exists():
             raise click.BadParameter(f"no snapshot set for torch {base}", param_hint="--against")
-    results = accept_snapshots(store, None)
+    results = accept_snapshots(store, selected)
     failed = [r.outcome.name for r in results if r.outcome.status is Status.ERROR]
     console.print(f"created {store.display()}: {len(results) - len(failed)} snapshot(s)")
     if base is None:
         console.print("no older snapshot set to review against")
     else:
-        outcomes = compare(SnapshotStore(store.root, base), None, version=store.version)
+        outcomes = compare(SnapshotStore(store.root, base), selected, version=store.version)
         text = review_markdown(outcomes, store.version, against=base)
         if output is None:
             click.echo(text, nl=False)
