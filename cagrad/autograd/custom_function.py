@@ -41,7 +41,16 @@ from .validate import real_metadata, validate_outputs
 _RECORD = "_cagrad_record"
 _MATERIALIZE = "_cagrad_materialize_grads"
 
-_original_apply = Function.apply.__func__  # type: ignore[attr-defined]
+# torch <= 2.13 defines ``Function.apply`` as a Python classmethod; 2.14 as
+# ``_FunctionBase``'s C classmethod descriptor. Both bind to a class through
+# ``__get__(None, cls)``.
+_apply_descriptor = Function.__dict__["apply"]
+
+
+def _original_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    return _apply_descriptor.__get__(None, cls)(*args, **kwargs)
+
+
 _base_materialize = torch._C._FunctionBase.__dict__["materialize_grads"]
 
 
@@ -118,7 +127,7 @@ def install() -> None:
     if isinstance(BackwardCFunction.__dict__.get("materialize_grads"), property):
         return
     BackwardCFunction.materialize_grads = property(_get_materialize, _set_materialize)
-    _apply.__doc__ = _original_apply.__doc__
+    _apply.__doc__ = _apply_descriptor.__doc__
     Function.apply = classmethod(_apply)  # type: ignore[method-assign, assignment]
 
 
