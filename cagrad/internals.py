@@ -299,8 +299,9 @@ def _check_tensor_hooks() -> str | None:
     problem = problem or _missing_attrs(function._HookMixin, "torch.autograd.function._HookMixin", ("_register_hook",))
     if problem:
         return problem
-    x = torch.zeros(1, requires_grad=True)
-    y = x * 1.0
+    with torch.inference_mode(False), torch.enable_grad():  # cagrad may be imported under no_grad
+        x = torch.zeros(1, requires_grad=True)
+        y = x * 1.0
     absent = [a for a in ("_backward_hooks", "retains_grad", "_post_accumulate_grad_hooks") if not hasattr(y, a)]
     if absent:
         return f"a tensor lacks {', '.join(absent)}"
@@ -332,8 +333,9 @@ def _check_node_types() -> str | None:
         return "torch._C._functions.AccumulateGrad is not a type"
     if not isinstance(getattr(function, "BackwardCFunction", None), type):
         return "torch.autograd.function.BackwardCFunction is not a type"
-    x = torch.zeros(1, requires_grad=True)
-    node = (x * torch.ones(1)).grad_fn
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        node = (x * torch.ones(1)).grad_fn
     if getattr(functions, type(node).__name__, None) is not type(node):
         return f"{type(node).__name__} is not in torch._C._functions"
     absent = [
