@@ -75,6 +75,9 @@ _lock = threading.RLock()
 _results: dict[str, str | None] = {}  # name -> None (works) or why it failed
 _off: dict[str, tuple[str, str]] = {}  # feature -> (name, why) of its first failed internal
 _checked = False  # every check that needs no cagrad code has run
+# True while the checks ran and none failed: what a backward reads first (a
+# module attribute read, no call)
+clean = False
 
 
 def register(internal: Internal) -> Internal:
@@ -121,12 +124,14 @@ def report(name: str, result: str | None) -> None:
     """Records the outcome of the check of ``name``: None (works) or why it
     failed. A failure is logged once and counted in
     ``counters["disabled_features"]`` (one per failed internal)."""
+    global clean
     with _lock:
         if name in _results:
             return
         _results[name] = result
         if result is not None:
             _off.setdefault(REGISTRY[name].feature, (name, result))
+            clean = False
     if result is not None:
         internal = REGISTRY[name]
         counters.record_disabled(internal.feature)
@@ -142,11 +147,13 @@ def report(name: str, result: str | None) -> None:
 def run_checks() -> None:
     """Runs every check not run yet (those with a ``check``; the others are
     reported by their users when they first run)."""
-    global _checked
+    global _checked, clean
     for name, internal in list(REGISTRY.items()):
         if internal.check is not None:
             why(name)
-    _checked = True
+    with _lock:
+        _checked = True
+        clean = not _off
 
 
 def disabled(feature: str) -> tuple[str, str] | None:
@@ -241,12 +248,12 @@ def recheck() -> None:
     """Forgets every outcome and the ``disabled_features`` counts and runs
     the checks again (for tests that break an internal, and undo it);
     internals reported by their users are reported again when next used."""
-    global _checked
+    global _checked, clean
     with _lock:
         _results.clear()
         _off.clear()
         counters.clear_disabled()
-        _checked = False
+        _checked = clean = False
     run_checks()
 
 
