@@ -5,7 +5,8 @@ keyed node by node (:class:`CacheKey`), looked up in a shadow-graph cache,
 and on a miss traced whole into one FX graph that ``compiler_fn`` compiles.
 See docs/DESIGN.md for the architecture; the modules map onto it.
 The package follows the pipeline; each stage is a sub-package that imports
-only the stages before it (and the leaf modules ``errors`` and ``counters``):
+only the stages before it (and the leaf modules ``errors``, ``counters`` and
+``internals``, which imports only the other two):
 
 ==============================  ===============================================
 ``autograd/`` (eager's rules)
