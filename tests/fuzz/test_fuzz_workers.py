@@ -58,7 +58,10 @@ def test_a_crash_the_known_issues_file_lists_is_counted_as_known_not_recorded(tm
     out = tmp_path / "out"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "15", "--seed", "2",
+            # bounded by a count, not the budget: each crash restarts a worker,
+            # which imports torch again (seconds; more with a CUDA build)
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "200", "--seed", "2",
+            "--max-programs", "8",
             "--out", str(out), "--workers", "1", "--shrink-seconds", "5", "--no-progress",
             "--ops", "sin,neg,sum", "--max-ops", "2", "--no-hooks", "--known", str(known), "--neighbours", "0",
             "--plugin", f"{CRASHING}:AbortOnSin",
@@ -85,7 +88,8 @@ def test_a_device_error_ends_the_worker_and_is_recorded_as_a_crash(tmp_path: Pat
     out = tmp_path / "out"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "25", "--seed", "2",
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "200", "--seed", "2",
+            "--max-programs", "8",
             "--out", str(out), "--workers", "1", "--shrink-seconds", "5", "--no-progress",
             "--ops", "neg,sin,sum", "--max-ops", "2", "--no-hooks", "--known", "none", "--neighbours", "0",
             "--plugin", f"{CRASHING}:DeviceErrorOnNeg",
