@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -76,11 +77,13 @@ def _assert_falls_back(name: str, feature: str, custom: bool = False) -> None:
 
 
 def test_all_internals_work_here():
-    """On the torch the suite runs on, nothing is turned off."""
+    """On the torch the suite runs on, nothing is turned off (but the C++
+    extension, on a machine without a compiler)."""
     node_schema._header_fields()
-    assert native.load() is not None
-    assert {n: r for n, r in internals.results().items() if r is not None} == {}
-    assert cagrad.counters["disabled_features"] == {}
+    no_compiler = shutil.which(os.environ.get("CXX", "c++")) is None
+    assert native.load() is not None or no_compiler
+    off = {n: r for n, r in internals.results().items() if r is not None}
+    assert off == {} or (no_compiler and set(off) == {"native_extension"}), off
     assert _grads(True, compiled=True) is not None and cagrad.counters["captures"] == 1
 
 
@@ -230,6 +233,8 @@ def test_doctor_reports_and_exits(broken):
     failed internal named once one is removed; the CPU RNG untouched."""
     rng = torch.get_rng_state()
     result = CliRunner().invoke(doctor.main, ["--json"])
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the doctor reports the extension off (exit 1)")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["ok"] and all(f["works"] for f in report["features"].values())
