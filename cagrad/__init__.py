@@ -5,8 +5,8 @@ keyed node by node (:class:`CacheKey`), looked up in a shadow-graph cache,
 and on a miss traced whole into one FX graph that ``compiler_fn`` compiles.
 See docs/DESIGN.md for the architecture; the modules map onto it.
 The package follows the pipeline; each stage is a sub-package that imports
-only the stages before it (and the leaf modules ``errors``, ``counters`` and
-``preserve``):
+only the stages before it (and the leaf modules ``errors``, ``counters``,
+``preserve`` and ``internals``, which import only the first two):
 
 ==============================  ===============================================
 ``autograd/`` (eager's rules)
@@ -57,12 +57,15 @@ top level
 ``api``                         ``enable``, ``capture``, ``explain``, ``reset``
 ``explain``                     why a backward misses the cache
 ``torch_compat``                torch's compiled-autograd entry points, served by cagrad
+``internals``                   the torch internals cagrad relies on, checked; what turns off
+``doctor``                      ``python -m cagrad.doctor``: those checks on the installed torch
 ``counters``, ``errors``        counters, fallback reasons, error types (leaves)
 ``preserve``                    process state cagrad's own work puts back (leaf)
 ``logs``, ``events``            the loggers and CAGRAD_LOGS; capture and run listeners
 ==============================  ===============================================
 """
 
+from . import internals as _internals
 from . import logs as _logs
 from .autograd import custom_function as _custom_function
 from .autograd import run_context as _run_context
@@ -77,10 +80,13 @@ from .logs import set_logs
 # after every submodule import: the package attribute `explain` is the function
 from .api import Capture, capture, enable, explain, reset  # noqa: E402
 
-_hooks_census.install()
-_custom_function.install()
-_run_context.install()
-_cpp_hooks.install()
+# each install needs torch internals that change between releases: where a
+# check fails, the install is skipped and what needs it turns off
+_internals.run_checks()
+_internals.guarded("tensor_hooks", _hooks_census.install)
+_internals.guarded("function_apply", _custom_function.install)
+_internals.guarded("graph_task_queries", _run_context.install)
+_internals.guarded("ddp_reducer", _cpp_hooks.install)
 try:
     _logs.from_env()
 except ValueError as _e:

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import events, explain, logs
-from .autograd import run_context, saved_variables, transforms
+from . import events, explain, internals, logs
+from .autograd import _hook_counts, run_context, saved_variables, transforms
 from .autograd.graph_task import GraphTask
 from .capture import segments
 from .capture.compiler import AutogradCompilerInstance, Traced
@@ -80,6 +80,13 @@ def check_supported_mode(create_graph: bool = False) -> None:
     ``create_graph=True`` is compiled: the graph runs with grad mode on, so
     its result is differentiable as eager's (see :mod:`cagrad.autograd.run_context`).
     """
+    if not internals.clean:  # a torch internal failed its check (or the checks did not run yet)
+        internals.require_engine()
+        off = internals.disabled("ddp_hooks")
+        if off is not None and _hook_counts.counts_fn() is None:
+            # DDP's reducer hooks are not recorded, and the extension that
+            # would see them on the leaves (invisible_hooks) is off too
+            raise Unsupported(f"internal:{off[0]}", f"{off[1]}; and cagrad's C++ extension is off")
     if torch.is_anomaly_enabled():
         raise Unsupported("anomaly_mode", "anomaly detection checks every node in eager")
     if torch.is_inference_mode_enabled():

@@ -62,7 +62,11 @@ class Counters(Mapping[str, Any]):
     fell back for it; ``opaque_reasons``, the same for nodes forced to
     run as they are; and ``cudagraph_skip_reasons``, the same for compiled
     backwards run without a CUDA graph (:mod:`cagrad.compile.cuda_graphs`). ``cagrad.reset()`` sets them all to zero in place, so a
-    reference to this object stays valid.
+    reference to this object stays valid. ``disabled_features``, a
+    ``collections.Counter`` from feature (:data:`cagrad.internals.FEATURES`)
+    to the number of torch internals that failed their check and turned it
+    off, describes the installed torch rather than events, so
+    ``cagrad.reset()`` keeps it (:func:`cagrad.internals.recheck` clears it).
     """
 
     def __init__(self) -> None:
@@ -71,6 +75,7 @@ class Counters(Mapping[str, Any]):
         self._reasons: collections.Counter[str] = collections.Counter()
         self._opaque: collections.Counter[str] = collections.Counter()
         self._cudagraph: collections.Counter[str] = collections.Counter()
+        self._disabled: collections.Counter[str] = collections.Counter()
 
     def __getitem__(self, key: str) -> Any:
         if key == "fallback_reasons":
@@ -79,6 +84,8 @@ class Counters(Mapping[str, Any]):
             return self._opaque
         if key == "cudagraph_skip_reasons":
             return self._cudagraph
+        if key == "disabled_features":
+            return self._disabled
         return self._ints[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -86,14 +93,16 @@ class Counters(Mapping[str, Any]):
         yield "fallback_reasons"
         yield "opaque_reasons"
         yield "cudagraph_skip_reasons"
+        yield "disabled_features"
 
     def __len__(self) -> int:
-        return len(self._ints) + 3
+        return len(self._ints) + 4
 
     def __repr__(self) -> str:
         return (
             f"Counters({dict(self._ints)}, fallback_reasons={dict(self._reasons)}, "
-            f"opaque_reasons={dict(self._opaque)}, cudagraph_skip_reasons={dict(self._cudagraph)})"
+            f"opaque_reasons={dict(self._opaque)}, cudagraph_skip_reasons={dict(self._cudagraph)}, "
+            f"disabled_features={dict(self._disabled)})"
         )
 
     def bump(self, key: str, n: int = 1) -> None:
@@ -120,6 +129,16 @@ class Counters(Mapping[str, Any]):
             self._ints["cudagraph_skips"] += 1
             self._cudagraph[reason] += 1
 
+    def record_disabled(self, feature: str) -> None:
+        """Counts one torch internal that failed its check and turned
+        ``feature`` off (:mod:`cagrad.internals`)."""
+        with self._lock:
+            self._disabled[feature] += 1
+
+    def clear_disabled(self) -> None:
+        with self._lock:
+            self._disabled.clear()
+
     def clear(self) -> None:
         with self._lock:
             for key in self._ints:
@@ -135,6 +154,7 @@ class Counters(Mapping[str, Any]):
             out["fallback_reasons"] = dict(self._reasons)
             out["opaque_reasons"] = dict(self._opaque)
             out["cudagraph_skip_reasons"] = dict(self._cudagraph)
+            out["disabled_features"] = dict(self._disabled)
             return out
 
 

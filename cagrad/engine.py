@@ -49,7 +49,9 @@ _caches: dict[tuple[Any, bool, bool], CacheNode] = {}
 # per thread: ``stack`` (the thread's enable contexts), ``busy``
 _tls = threading.local()
 _open_contexts = 0  # in all threads; the engine is swapped in while > 0
-_eager_engine = Variable._execution_engine
+# None where this torch has no such attribute ("execution_engine" in
+# cagrad.internals: every backward is eager's then)
+_eager_engine = getattr(Variable, "_execution_engine", None)
 
 
 def _stack() -> list[EnableState]:
@@ -158,7 +160,10 @@ class CagradEngine:
 
     # Dynamo must not trace into cagrad: a backward inside a torch.compile'd
     # function graph-breaks here and runs as a plain Python call
-    run_backward = torch._dynamo.disable(run_backward, recursive=True)
+    _dynamo_disable = getattr(torch._dynamo, "disable", None)
+    if _dynamo_disable is not None:  # else torch.compile's tracing is still sent to eager by _tracing()
+        run_backward = _dynamo_disable(run_backward, recursive=True)
+    del _dynamo_disable
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._eager, name)
@@ -190,7 +195,8 @@ def push(compiler_fn: CompilerFn, dynamic: bool | None, cuda_graphs: bool = Fals
     with _lock:
         _stack().append(state)
         _open_contexts += 1
-        Variable._execution_engine = _engine
+        if _eager_engine is not None:
+            Variable._execution_engine = _engine
     return state
 
 
@@ -212,7 +218,7 @@ def pop(state: EnableState) -> None:
     with _lock:
         stack.pop()
         _open_contexts -= 1
-        if _open_contexts == 0:
+        if _open_contexts == 0 and _eager_engine is not None:
             Variable._execution_engine = _eager_engine
 
 

@@ -96,7 +96,7 @@ import torch
 import torch._dynamo.compiled_autograd as _ca
 from torch.autograd.variable import Variable
 
-from . import api, engine, events
+from . import api, engine, events, internals
 
 log = logging.getLogger("cagrad")
 
@@ -547,11 +547,14 @@ def install() -> None:
     enters ``_enable`` around each call of the compiled function),
     ``torch._dynamo.utils.maybe_enable_compiled_autograd``, the ``_disable``
     of AOTAutograd/Inductor/functorch and ``torch._dynamo.reset()`` all reach
-    cagrad. Calling it again does nothing.
+    cagrad. Calling it again does nothing. Where this torch's
+    ``torch._dynamo.compiled_autograd`` is not the one cagrad knows (the
+    internal ``compiled_autograd_entry`` of :mod:`cagrad.internals`), it
+    installs nothing (logged once) and torch's own compiled autograd stays.
     """
     global _installed
     with _lock:
-        if _installed:
+        if _installed or not internals.ok("compiled_autograd_entry"):
             return
         for name, original in _ORIGINALS.items():
             if getattr(_ca, name, None) is original:

@@ -138,7 +138,15 @@ def main() -> None:
     type=click.FloatRange(min=0, min_open=True),
     default=60.0,
     show_default=True,
-    help="Seconds one program may run before it is recorded as a timeout.",
+    help="Seconds (wall clock) one program may run before it is recorded as a timeout.",
+)
+@click.option(
+    "--cpu-timeout",
+    "cpu_timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="CPU seconds one program may use before it is recorded as a timeout (Linux): unlike --timeout, "
+    "not sooner on a busy machine; a hang that sleeps is caught by --timeout only.",
 )
 @click.option("--shard", help="K/N: run the K-th of N disjoint shares of the campaign's rounds (merge them with 'merge').")
 @click.option("--rounds", type=click.IntRange(min=1), help="Run only the campaign's rounds 0..ROUNDS-1 (before sharding).")
@@ -178,6 +186,7 @@ def campaign(
     progress: bool,
     workers: int,
     timeout: float,
+    cpu_timeout: float | None,
     shard: str | None,
     rounds: int | None,
     known: str,
@@ -218,6 +227,11 @@ def campaign(
         shard_kn = parse_shard(shard) if shard is not None else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--shard") from None
+    if cpu_timeout is not None:
+        from fuzz.workers import cpu_clock_available
+
+        if not cpu_clock_available():
+            raise click.BadParameter("needs /proc/PID/stat (Linux) to read a worker's CPU time", param_hint="--cpu-timeout")
     if known != "none" and known != "default" and not Path(known).is_file():
         raise click.BadParameter(f"known-issues file {known!r} does not exist", param_hint="--known")
     config = CampaignConfig(
@@ -234,6 +248,7 @@ def campaign(
         max_programs=max_programs,
         workers=workers,
         timeout_s=timeout,
+        cpu_timeout_s=cpu_timeout,
         shard=shard_kn,
         rounds=rounds,
         known=None if known == "none" else known,

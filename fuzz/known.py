@@ -16,6 +16,7 @@ with the same structure, chosen by the ``.json`` extension)::
     torch = ">=2.13,<2.14"         # optional PEP 440 specifier
     note = "what torch does"       # required
     link = "https://github.com/pytorch/pytorch/issues/..."  # optional
+    reproducer = "known_reproducers/torch-ca-hook-order.py"   # optional
 
 ``pattern`` and ``subjects`` are :mod:`fnmatch` globs matched case-sensitively
 with ``*`` and ``?`` as wildcards; square brackets are literal, because
@@ -28,6 +29,12 @@ given, only to a program each of whose globs matches one of its op names
 before shrinking). ``ops`` narrows an entry for a bug of a backend's kernel:
 a value mismatch names no op in its signature, and an entry that matched
 every value mismatch of a subject would hide that subject's own bugs.
+
+``reproducer`` names a plain-torch script (a path relative to the file's
+directory) that exits 1 where the issue reproduces on the installed torch
+and 0 where it does not: tests/fuzz/test_known_reproducers.py runs each and
+checks that it reproduces exactly where ``torch`` admits the installed
+version (docs/torch-versions.md).
 Entries are tried in file order; the first that matches wins.
 
 The shipped :meth:`KnownIssues.default` file, ``fuzz/known_issues.toml``,
@@ -54,7 +61,7 @@ SCHEMA = 1
 DEFAULT_PATH = Path(__file__).with_name("known_issues.toml")
 
 _REQUIRED = ("id", "pattern", "note")
-_OPTIONAL = ("subjects", "ops", "torch", "link")
+_OPTIONAL = ("subjects", "ops", "torch", "link", "reproducer")
 _TOP_LEVEL = ("schema", "issue")
 
 
@@ -84,6 +91,8 @@ class KnownIssue:
             or ``None`` for any version.
         note: what is known (what the subject does, why).
         link: a URL (a PyTorch issue), or ``""``.
+        reproducer: a plain-torch script reproducing it, relative to the
+            known-issues file's directory (exit 1: reproduces), or ``""``.
     """
 
     id: str
@@ -93,6 +102,7 @@ class KnownIssue:
     note: str = ""
     link: str = ""
     ops: tuple[str, ...] = ()
+    reproducer: str = ""
 
     def __post_init__(self) -> None:
         # validated here so that an entry built in code fails like a file does
@@ -143,6 +153,8 @@ class KnownIssue:
         out["note"] = self.note
         if self.link:
             out["link"] = self.link
+        if self.reproducer:
+            out["reproducer"] = self.reproducer
         return out
 
 
@@ -307,7 +319,7 @@ def _parse_entry(entry: Any, i: int, path: Path, lines: _TomlLines | None) -> Kn
     for key in _REQUIRED:
         if key not in entry:
             raise KnownIssuesError(f"{_where(path, lines, i)}: missing required key {key!r} (a string)")
-    for key in ("id", "pattern", "note", "torch", "link"):
+    for key in ("id", "pattern", "note", "torch", "link", "reproducer"):
         if key in entry and (not isinstance(entry[key], str) or (key in ("id", "pattern") and not entry[key].strip())):
             raise KnownIssuesError(
                 f"{_where(path, lines, i, key)}: {key!r} must be a non-empty string, got {entry[key]!r}"
@@ -341,4 +353,5 @@ def _parse_entry(entry: Any, i: int, path: Path, lines: _TomlLines | None) -> Kn
         torch=torch_spec,
         note=entry["note"],
         link=entry.get("link", ""),
+        reproducer=entry.get("reproducer", ""),
     )

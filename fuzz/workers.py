@@ -6,8 +6,9 @@ subject that aborts, segfaults, runs out of memory or hangs takes down only
 its worker. The parent (:mod:`fuzz.campaign.engine`) hands each worker whole
 rounds and reads a stream of events from it over a pipe:
 
-``("program", {round, index, phase, program})``
-    a program starts (``phase`` ``gen`` or ``shrink``; ``program`` its JSON);
+``("program", {round, index, phase, program, cpu})``
+    a program starts (``phase`` ``gen`` or ``shrink``; ``program`` its JSON;
+    ``cpu`` the worker's CPU seconds then, for ``--cpu-timeout``);
 ``("subject", {name, device})``
     a subject starts its run of that program (``name`` None when it is done):
     the parent blames a crash or a hang on the subject running then;
@@ -68,6 +69,31 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
                 os._exit(0)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has used, from
+    ``/proc/PID/stat`` (fields 14 and 15, in clock ticks: ``man 5 proc``);
+    None where there is no such file (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: count from its end
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_clock_available() -> bool:
+    """Whether :func:`cpu_seconds` can read processes' CPU time here."""
+    return cpu_seconds(os.getpid()) is not None
+
+
+def timeout_outcome(seconds: float, clock: str) -> dict[str, Any]:
+    """The outcome of a program stopped by a time limit: ``{"status":
+    "timeout", "seconds": seconds, "clock": "wall" | "cpu"}``."""
+    return {"status": "timeout", "seconds": seconds, "clock": clock}
 
 
 def signal_name(code: int) -> str:
@@ -154,7 +180,7 @@ class Worker:
     Attributes track what the worker is doing, for the watchdog: ``round``,
     ``skip`` (its start), ``program`` (JSON of the program running, None
     between programs), ``phase``, ``index``, ``started`` (monotonic time the
-    program started), ``subject``/``device`` running it, ``last_gen`` (index
+    program started), ``cpu_started`` (the worker's CPU seconds then), ``subject``/``device`` running it, ``last_gen`` (index
     of its last generated program).
     """
 
@@ -173,6 +199,7 @@ class Worker:
         self.index = -1
         self.last_gen = -1
         self.started = 0.0
+        self.cpu_started = 0.0
         self.subject: str | None = None
         self.device: str | None = None
 
@@ -185,6 +212,19 @@ class Worker:
     def assign(self, r: int, skip: int, deadline: float) -> None:
         self.round, self.skip, self.last_gen, self.program = r, skip, skip - 1, None
         self.send("task", {"round": r, "skip": skip, "deadline": deadline})
+
+    def ran_past(self, now: float, timeout_s: float, cpu_timeout_s: float | None) -> dict[str, Any] | None:
+        """The timeout outcome when the running program is past either limit
+        (``now``: ``time.monotonic()``), else None."""
+        if self.program is None:
+            return None
+        if cpu_timeout_s is not None:
+            cpu = cpu_seconds(self.process.pid)
+            if cpu is not None and cpu - self.cpu_started > cpu_timeout_s:
+                return timeout_outcome(cpu_timeout_s, "cpu")
+        if now - self.started > timeout_s:
+            return timeout_outcome(timeout_s, "wall")
+        return None
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -201,12 +241,16 @@ def probe(
     device: str,
     timeout_s: float,
     neighbours: int = 0,
+    cpu_timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """Runs one program under one subject in a fresh interpreter.
+    """Runs one program under one subject in a fresh interpreter, stopped
+    after ``timeout_s`` wall-clock seconds or ``cpu_timeout_s`` CPU seconds
+    (None: no CPU limit), whichever comes first, both counted once it has
+    started (imported torch and the subjects).
 
-    Returns ``{"status": "crash", "signal": "SIGABRT"}``,
-    ``{"status": "timeout", "seconds": timeout_s}``, or ``{"status":
-    "ran", "signatures": [...]}`` (the failure signatures it printed).
+    Returns ``{"status": "crash", "signal": "SIGABRT"}``, a
+    :func:`timeout_outcome`, or ``{"status": "ran", "signatures": [...]}``
+    (the failure signatures it printed).
     """
     spec = {
         "program": program_json,
@@ -234,10 +278,9 @@ def probe(
         if proc.stdout.readline().strip() != "ready":
             proc.wait(STARTUP_S)
             return {"status": "crash", "signal": signal_name(proc.returncode), "detail": "died while starting"}
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"status": "timeout", "seconds": timeout_s}
+        ran_past = _wait(proc, timeout_s, cpu_timeout_s)
+        if ran_past is not None:
+            return ran_past
         out = proc.stdout.read()
     finally:
         if proc.poll() is None:
@@ -249,6 +292,29 @@ def probe(
         return json.loads(out.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         return {"status": "crash", "signal": signal_name(proc.returncode), "detail": out[-2000:]}
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, cpu_timeout_s: float | None) -> dict[str, Any] | None:
+    """Waits for ``proc`` to exit; the timeout outcome if it ran past a limit."""
+    if cpu_timeout_s is None:
+        try:
+            proc.wait(timeout_s)
+            return None
+        except subprocess.TimeoutExpired:
+            return timeout_outcome(timeout_s, "wall")
+    end = time.monotonic() + timeout_s
+    cpu0 = cpu_seconds(proc.pid) or 0.0
+    while True:
+        try:
+            proc.wait(max(0.0, min(0.1, end - time.monotonic())))
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        cpu = cpu_seconds(proc.pid)
+        if cpu is not None and cpu - cpu0 > cpu_timeout_s:
+            return timeout_outcome(cpu_timeout_s, "cpu")
+        if time.monotonic() >= end:
+            return timeout_outcome(timeout_s, "wall")
 
 
 def _probe_main() -> None:

@@ -8,6 +8,8 @@
                                [--format text|markdown] [--output FILE]
                                                  show everything, exit 0
     cagrad-golden [--root DIR] list
+    cagrad-golden [--root DIR] new-version [--against 2.13] [--output FILE]
+                                                 the running torch's set, made
 
 ``--root`` (or ``$CAGRAD_GOLDEN_ROOT``) is the directory holding the
 ``torch-<major>.<minor>/`` snapshot directories; it defaults to
@@ -231,6 +233,64 @@ def review(
         )
     console.print(table)
     console.print(summary(outcomes))
+
+
+@main.command("new-version", short_help="Make the running torch's snapshot set and review it against the last one.")
+@click.argument("names", nargs=-1)
+@click.option(
+    "--against",
+    metavar="MAJOR.MINOR",
+    default=None,
+    help="The set to review the new one against (default: the newest set of an older torch).",
+)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write the review (markdown) to this file instead of printing it.",
+)
+@click.pass_obj
+def new_version(store: SnapshotStore, names: tuple[str, ...], against: str | None, output: str | None) -> None:
+    """Make the snapshot set of the running torch (``torch-<major>.<minor>/``,
+    every scenario, or NAMES) and review it against the set of the newest older torch
+    (or ``--against``): what the new torch changes in cagrad's graphs and
+    keys, as markdown. Exit 1 when the set exists already (use ``accept``)
+    or a scenario fails to capture; 2 on a bad ``--against``. The steps for
+    a new torch are in docs/torch-versions.md."""
+    selected = _names_arg(names)
+    console = _console()
+    if store.exists():
+        console.print(f"golden_graphs: {store.display()} exists already; re-accept it with: {_accept_hint(store)}")
+        sys.exit(1)
+    older = [v for v in available_versions(store.root) if _key(v) < _key(store.version)]
+    base = against if against is not None else (older[-1] if older else None)
+    if base is not None:
+        try:
+            base = torch_version(base)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--against") from None
+        if not SnapshotStore(store.root, base).exists():
+            raise click.BadParameter(f"no snapshot set for torch {base}", param_hint="--against")
+    results = accept_snapshots(store, selected)
+    failed = [r.outcome.name for r in results if r.outcome.status is Status.ERROR]
+    console.print(f"created {store.display()}: {len(results) - len(failed)} snapshot(s)")
+    if base is None:
+        console.print("no older snapshot set to review against")
+    else:
+        outcomes = compare(SnapshotStore(store.root, base), selected, version=store.version)
+        text = review_markdown(outcomes, store.version, against=base)
+        if output is None:
+            click.echo(text, nl=False)
+        else:
+            _write_atomic(output, text)
+            console.print(f"wrote {output}: against torch {base}, {summary(outcomes)}")
+    if failed:
+        console.print(Text(f"failed to capture: {', '.join(failed)}", style="bold red"))
+        sys.exit(1)
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("."))
 
 
 def _require_set(console: Console, store: SnapshotStore) -> None:

@@ -35,14 +35,26 @@ import torch
 import torch.fx
 from torch.autograd.function import BackwardCFunction, Function
 
+from .. import internals
 from . import run_context
 from .validate import real_metadata, validate_outputs
 
 _RECORD = "_cagrad_record"
 _MATERIALIZE = "_cagrad_materialize_grads"
 
-_original_apply = Function.apply.__func__  # type: ignore[attr-defined]
-_base_materialize = torch._C._FunctionBase.__dict__["materialize_grads"]
+# torch <= 2.13 defines ``Function.apply`` as a Python classmethod; 2.14 as
+# ``_FunctionBase``'s C classmethod descriptor. Both bind to a class through
+# ``__get__(None, cls)``.
+# (checked by cagrad.internals, "function_apply": install() does nothing
+# where it is neither, and custom Function backwards fall back)
+_apply_descriptor = Function.__dict__.get("apply")
+
+
+def _original_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    return _apply_descriptor.__get__(None, cls)(*args, **kwargs)
+
+
+_base_materialize = torch._C._FunctionBase.__dict__.get("materialize_grads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +126,15 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def install() -> None:
-    """Puts the recording in place (idempotent)."""
+    """Puts the recording in place (idempotent). Call it through
+    ``internals.guarded("function_apply", install)``: it needs both
+    ``function_apply`` and ``materialize_grads``."""
+    if not internals.ok("materialize_grads"):
+        return
     if isinstance(BackwardCFunction.__dict__.get("materialize_grads"), property):
         return
     BackwardCFunction.materialize_grads = property(_get_materialize, _set_materialize)
-    _apply.__doc__ = _original_apply.__doc__
+    _apply.__doc__ = _apply_descriptor.__doc__
     Function.apply = classmethod(_apply)  # type: ignore[method-assign, assignment]
 
 

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from .. import internals
+
 log = logging.getLogger("cagrad")
 
 _HEADER = os.path.join(
@@ -110,11 +112,11 @@ def _header_fields() -> dict[str, list[tuple[str, str]]] | None:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-    except OSError:
-        log.warning(
-            "cagrad cannot read %s: every generated backward node falls back "
-            "to eager, since its hidden fields cannot be checked",
-            path,
+    except OSError as e:
+        internals.report(
+            "functions_header",
+            f"cannot read {path} ({e}): backwards with a generated node fall back to eager, "
+            "since its hidden fields cannot be checked",
         )
         return None
     structs: dict[str, list[tuple[str, str]]] = {}
@@ -128,6 +130,15 @@ def _header_fields() -> dict[str, list[tuple[str, str]]] | None:
             if m:
                 fields.append((m.group(1).strip(), m.group(2)))
         structs[name] = fields
+    # the parse must find what every torch since 2.0 declares: a node that
+    # keeps two saved tensors, and its hidden bookkeeping of tensor lists
+    if ("SavedVariable", "self_") not in structs.get("MulBackward0", ()) or (
+        "SavedVariable",
+        "other_",
+    ) not in structs.get("MulBackward0", ()):
+        internals.report("functions_header", f"{path} does not declare MulBackward0 {{SavedVariable self_, other_}}")
+        return None
+    internals.report("functions_header", None)
     return structs
 
 
@@ -220,7 +231,10 @@ def _compute_schema(cls: type) -> NodeSchema:
             return NodeSchema(
                 name,
                 NodeKind.UNSUPPORTED,
-                unsupported=("node_header_missing", f"{header_path()} is not readable"),
+                unsupported=(
+                    "internal:functions_header",
+                    f"{header_path()}: {internals.why('functions_header')}",
+                ),
             )
         fields = headers.get(name)
         if fields is not None:

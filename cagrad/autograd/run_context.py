@@ -47,9 +47,11 @@ _tls = threading.local()
 _ids = itertools.count(1 << 48)
 _ids_lock = threading.Lock()
 
-_original_graph_task_id = torch._C._current_graph_task_id
-_original_will_execute = torch._C._will_engine_execute_node
-_original_keep_graph = torch._C._autograd._get_current_graph_task_keep_graph
+# None where this torch lacks one ("graph_task_queries" in cagrad.internals:
+# then install() is not called and every backward falls back)
+_original_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_original_will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+_original_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 class RunContext:

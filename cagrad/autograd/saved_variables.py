@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .. import internals
 from ..errors import EagerError, Unsupported
 from . import _hook_counts
 
@@ -131,8 +132,9 @@ def _freed(_packed: Any) -> torch.Tensor:
 _MAX_INTERVALS = 256
 _intervals: list[list[float]] = []  # sorted, disjoint [start, end)
 _open: dict[int, list[int]] = {}  # per thread: starts of pushed contexts
-_original_push = torch._C._autograd._push_saved_tensors_default_hooks
-_original_pop = torch._C._autograd._pop_saved_tensors_default_hooks
+# None where this torch lacks them ("saved_tensor_hooks" in cagrad.internals)
+_original_push = getattr(torch._C._autograd, "_push_saved_tensors_default_hooks", None)
+_original_pop = getattr(torch._C._autograd, "_pop_saved_tensors_default_hooks", None)
 
 
 def _sequence_nr() -> int:
@@ -175,6 +177,8 @@ def install(graphs_alive_at_import: bool) -> None:
         graphs_alive_at_import: graphs built before the import may hold
             foreign hooks, so the nodes numbered before it are claimed.
     """
+    if not internals.ok("saved_tensor_hooks"):
+        return
     if torch._C._autograd._push_saved_tensors_default_hooks is not _push_default_hooks:
         torch._C._autograd._push_saved_tensors_default_hooks = _push_default_hooks
         torch._C._autograd._pop_saved_tensors_default_hooks = _pop_default_hooks

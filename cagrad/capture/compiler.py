@@ -37,17 +37,22 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import (
-    ProxyTorchDispatchMode,
-    PythonKeyTracer,
-    disable_proxy_modes_tracing,
-    fetch_object_proxy,
-    track_tensor_tree,
-)
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from .. import internals
+
+# torch's private tracing machinery; where an import fails, the internal
+# "fake_tensor_capture" is off and every backward falls back before a trace
+_PROXY = "torch.fx.experimental.proxy_tensor"
+ConstantSource = internals.import_attr("fake_tensor_capture", "torch._dynamo.source", "ConstantSource")
+FakeTensorMode = internals.import_attr("fake_tensor_capture", "torch._subclasses.fake_tensor", "FakeTensorMode")
+ProxyTorchDispatchMode = internals.import_attr("fake_tensor_capture", _PROXY, "ProxyTorchDispatchMode")
+PythonKeyTracer = internals.import_attr("fake_tensor_capture", _PROXY, "PythonKeyTracer")
+disable_proxy_modes_tracing = internals.import_attr("fake_tensor_capture", _PROXY, "disable_proxy_modes_tracing")
+fetch_object_proxy = internals.import_attr("fake_tensor_capture", _PROXY, "fetch_object_proxy")
+track_tensor_tree = internals.import_attr("fake_tensor_capture", _PROXY, "track_tensor_tree")
+DimDynamic = internals.import_attr("fake_tensor_capture", "torch.fx.experimental.symbolic_shapes", "DimDynamic")
+ShapeEnv = internals.import_attr("fake_tensor_capture", "torch.fx.experimental.symbolic_shapes", "ShapeEnv")
 
 from ..autograd import custom_function, formulas, run_context, saved_variables
 from ..autograd.accumulate import dense_strides

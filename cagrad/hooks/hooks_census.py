@@ -61,9 +61,11 @@ from . import cpp_hooks
 
 _TENSOR_HOOKS_KEY = "_cagrad_tensor_hooks"
 
-_original_register_hook = torch.Tensor.register_hook
-_original_retain_grad = torch.Tensor.retain_grad
-_original_node_register_hook = _function._HookMixin._register_hook
+# None where this torch lacks one ("tensor_hooks" in cagrad.internals: then
+# install() is not called and every backward falls back)
+_original_register_hook = getattr(torch.Tensor, "register_hook", None)
+_original_retain_grad = getattr(torch.Tensor, "retain_grad", None)
+_original_node_register_hook = getattr(getattr(_function, "_HookMixin", None), "_register_hook", None)
 
 
 
@@ -132,8 +134,8 @@ def _node_register_hook(backward_hooks: Any, hook: Any) -> Any:
     return hooks, handle
 
 
-_register_hook.__doc__ = _original_register_hook.__doc__
-_retain_grad.__doc__ = _original_retain_grad.__doc__
+_register_hook.__doc__ = getattr(_original_register_hook, "__doc__", None)
+_retain_grad.__doc__ = getattr(_original_retain_grad, "__doc__", None)
 
 
 def install() -> None:

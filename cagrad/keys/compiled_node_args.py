@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from .. import internals
 from ..autograd import custom_function, saved_variables, transforms
 from ..autograd.formulas import FORMULAS
 from ..autograd.graph_task import GraphTask, NodeCall
@@ -250,7 +251,10 @@ class Collector:
             return NodePlan(Kind.ACCUMULATE, node=self.obj(node.variable))
         if not call.needed:
             return NodePlan(Kind.TRACED)  # never runs
+        if kind is NodeKind.UNSUPPORTED and schema.unsupported[0].startswith("internal:"):
+            raise Unsupported(*schema.unsupported)  # a torch internal the schema needs is not there
         if kind is NodeKind.CUSTOM_FUNCTION:
+            internals.require("custom_function")
             record = custom_function.record_of(node)
             if record is None:
                 raise Unsupported(

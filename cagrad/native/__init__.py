@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .. import internals
 from ..preserve import preserved
 from . import self_tests
 from .build import build_cagrad_ext
@@ -146,6 +147,7 @@ def _load() -> Native | None:
         # frames of the backward that loaded the extension (and its saved
         # tensors) alive
         detail = getattr(e, "stderr", None) or str(e)
+        internals.report("native_extension", f"{type(e).__name__}: {detail}")
         log.warning(
             "cagrad cannot detect hooks added from C++ (%s: %s): they would not run in compiled backwards; "
             "install a C++ compiler to enable the check",
@@ -153,6 +155,7 @@ def _load() -> Native | None:
             detail,
         )
         return None
+    internals.report("native_extension", None)
     metadata = None
     try:
         metadata = MetadataReaders(

@@ -32,8 +32,14 @@ class CampaignConfig:
         progress: show a live progress bar.
         max_programs: stop after this many programs (this session).
         workers: worker processes running rounds (each program runs in one).
-        timeout_s: seconds one program may run before its worker is killed
-            and a ``timeout`` failure is recorded.
+        timeout_s: seconds (wall clock) one program may run before its
+            worker is killed and a ``timeout`` failure is recorded.
+        cpu_timeout_s: CPU seconds (user + system, every thread of the
+            worker, as ``/proc/PID/stat`` counts them) one program may use
+            before the same happens; None for no such limit. Unlike
+            ``timeout_s`` it does not fire sooner on a busy machine, but a
+            hang that sleeps or waits uses no CPU: only ``timeout_s``
+            catches that. Linux only.
         shard: ``(K, N)``: run only rounds ``r`` with ``r % N == K - 1``.
         rounds: run only rounds ``0 .. rounds - 1`` (of the whole campaign,
             before sharding); None for as many as the budget allows.
@@ -56,6 +62,7 @@ class CampaignConfig:
     max_programs: int | None = None
     workers: int = 1
     timeout_s: float = 60.0
+    cpu_timeout_s: float | None = None
     shard: tuple[int, int] | None = None
     rounds: int | None = None
     known: str | None = None

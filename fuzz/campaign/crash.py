@@ -38,15 +38,20 @@ def crash_record(program_json: str, subject: str, device: str, outcome: dict[str
     }
 
 
-def shrink_crash(rec: dict[str, Any], timeout_s: float, deadline: float, neighbours: int = 0) -> dict[str, Any]:
+def shrink_crash(
+    rec: dict[str, Any], timeout_s: float, deadline: float, neighbours: int = 0, cpu_timeout_s: float | None = None
+) -> dict[str, Any]:
     """Reduces the program of crash/timeout record ``rec`` until ``deadline``
     (``time.monotonic()``): a candidate is kept when it still crashes with the
-    same signal (or still runs past ``timeout_s`` seconds) in a fresh
-    interpreter under the same subject. Returns the shrunk record."""
+    same signal (or still runs past ``timeout_s`` wall-clock or
+    ``cpu_timeout_s`` CPU seconds) in a fresh interpreter under the same
+    subject. Returns the shrunk record."""
     key, outcome = rec["key"], rec["first_outcome"]
 
     def still_fails(candidate: Program) -> bool:
-        got = probe(candidate.to_json(), key["subject"], rec["plugin"], key["device"], timeout_s, neighbours)
+        got = probe(
+            candidate.to_json(), key["subject"], rec["plugin"], key["device"], timeout_s, neighbours, cpu_timeout_s
+        )
         if got["status"] != key["status"]:
             return False
         return key["status"] == "timeout" or got.get("signal") == outcome.get("signal")

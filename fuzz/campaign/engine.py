@@ -21,7 +21,7 @@ from fuzz.campaign.crash import crash_record, shrink_crash
 from fuzz.campaign.rounds import load_known, make_oracle
 from fuzz.campaign.state import CampaignState
 from fuzz.ir import Program
-from fuzz.workers import Worker, signal_name
+from fuzz.workers import Worker, signal_name, timeout_outcome
 
 TIMELINE_EVERY_S = 5.0
 MAX_START_FAILURES = 3
@@ -48,7 +48,7 @@ class _Shrink(threading.Thread):
 
     def run(self) -> None:
         deadline = time.monotonic() + self.cfg.shrink_s
-        self.result = shrink_crash(self.rec, self.cfg.timeout_s, deadline, self.cfg.neighbours)
+        self.result = shrink_crash(self.rec, self.cfg.timeout_s, deadline, self.cfg.neighbours, self.cfg.cpu_timeout_s)
 
 
 class Campaign:
@@ -213,9 +213,9 @@ class Campaign:
                 if not w.process.is_alive():
                     self._drain(w)
                     self._on_death(w, w.process.exitcode or 0)
-                elif w.program is not None and now - w.started > self.cfg.timeout_s:
+                elif (past := w.ran_past(now, self.cfg.timeout_s, self.cfg.cpu_timeout_s)) is not None:
                     w.kill()
-                    self._on_death(w, None)
+                    self._on_death(w, None, past)
             for slot, t in list(self.shrinks.items()):
                 if not t.is_alive():
                     del self.shrinks[slot]
@@ -248,6 +248,7 @@ class Campaign:
             self._start_failures = 0
         elif event == "program":
             w.program, w.phase, w.index, w.started = p["program"], p["phase"], p["index"], time.monotonic()
+            w.cpu_started = p.get("cpu", 0.0)
             w.subject = w.device = None
         elif event == "subject":
             w.subject, w.device = p["name"], p["device"]
@@ -295,8 +296,9 @@ class Campaign:
         for w in self.workers.values():
             w.send("stop")
 
-    def _on_death(self, w: Worker, code: int | None) -> None:
-        """A worker died (``code``: its exit code) or hung (``code`` None):
+    def _on_death(self, w: Worker, code: int | None, past: dict[str, Any] | None = None) -> None:
+        """A worker died (``code``: its exit code) or hung (``code`` None,
+        ``past`` the timeout outcome, :func:`fuzz.workers.timeout_outcome`):
         record a crash/timeout for the program it was running, shrink it in
         subprocesses, and continue its round after that program."""
         w.kill()
@@ -313,8 +315,8 @@ class Campaign:
         subject = w.subject or "harness"
         device = w.device or self.devices[0]
         if code is None:
-            outcome: dict[str, Any] = {"status": "timeout", "seconds": self.cfg.timeout_s}
-            what = f"ran past {self.cfg.timeout_s:g} s"
+            outcome: dict[str, Any] = past or timeout_outcome(self.cfg.timeout_s, "wall")
+            what = f"ran past {outcome['seconds']:g} s ({outcome['clock']} clock)"
         else:
             outcome = {"status": "crash", "signal": signal_name(code), "detail": f"worker exit code {code}"}
             what = f"died with {signal_name(code)}"

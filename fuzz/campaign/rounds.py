@@ -195,7 +195,11 @@ class RoundRunner:
             self.exit_device_lost()
 
     def _announce(self, program: Program, phase: str) -> None:
-        self.emit("program", {"round": self.round, "index": self.index - 1, "phase": phase, "program": program.to_json(indent=None)})
+        self.emit(
+            "program",
+            {"round": self.round, "index": self.index - 1, "phase": phase, "program": program.to_json(indent=None),
+             "cpu": time.process_time()},
+        )  # fmt: skip
 
     def _body(self, program: Program) -> None:
         if self.control() == "stop" and self.target is None:

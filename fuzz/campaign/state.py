@@ -243,7 +243,8 @@ class CampaignState:
         plugin = rec.get("plugin")
         expect = {
             "crash": f"the process dies with {rec['first_outcome'].get('signal')}",
-            "timeout": f"it runs past {rec['first_outcome'].get('seconds')} s",
+            "timeout": f"it runs past {rec['first_outcome'].get('seconds')} s"
+            + (" of CPU time" if rec["first_outcome"].get("clock") == "cpu" else ""),
         }.get(key["status"])
         header = (
             f"Signature: {rec['signature']}\n"

@@ -14,7 +14,8 @@ def outcome_detail(outcome: dict[str, Any] | None) -> str:
         return f"{outcome.get('signal') or 'crash'}: {outcome.get('detail') or ''}".strip(": ")
     if status == "timeout":
         seconds = outcome.get("seconds")
-        return f"no answer within {seconds:g} s" if isinstance(seconds, (int, float)) else "timeout"
+        clock = " of CPU time" if outcome.get("clock") == "cpu" else ""
+        return f"no answer within {seconds:g} s{clock}" if isinstance(seconds, (int, float)) else "timeout"
     error = outcome.get("error")
     if isinstance(error, dict):
         message = str(error.get("message") or "").strip().splitlines()

@@ -1,7 +1,7 @@
 """The package's layout is its pipeline: each stage sub-package imports only
-the stages before it (and the leaf modules ``errors``, ``counters`` and
-``preserve``), so
-that the folders show the architecture and no import circles form."""
+the stages before it (and the leaf modules ``errors``, ``counters``,
+``preserve`` and ``internals``), so that the folders show the architecture
+and no import circles form."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import cagrad
 
 ROOT = pathlib.Path(cagrad.__file__).parent
 STAGES = ["native", "autograd", "hooks", "keys", "capture", "compile", "run"]
-LEAVES = {"errors", "counters", "preserve"}
+# in order: a leaf imports only the leaves before it
+LEAVES = ["errors", "counters", "preserve", "internals"]
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, list[str]]]:
@@ -55,9 +56,10 @@ def test_every_stage_imports_only_earlier_stages_and_the_leaves():
     assert not bad, "\n".join(bad)
 
 
-def test_the_leaf_modules_import_nothing_of_cagrad():
-    for name in LEAVES:
-        assert _imports(ROOT / f"{name}.py") == [], name
+def test_the_leaf_modules_import_only_the_leaves_before_them():
+    for i, name in enumerate(LEAVES):
+        targets = {t[0] for _, t in _imports(ROOT / f"{name}.py")}
+        assert targets <= set(LEAVES[:i]), (name, targets)
 
 
 def test_every_module_is_in_a_stage_or_at_the_top():

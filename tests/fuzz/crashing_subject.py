@@ -2,12 +2,14 @@
 
 ``AbortOnSin`` is eager autograd that calls :func:`os.abort` (SIGABRT, as a
 failed C++ assert in a backend would) when the backward graph holds a
-``SinBackward0`` node. ``HangOnExp`` sleeps forever when it holds an
-``ExpBackward0`` node. ``DeviceErrorOnNeg`` raises the error CUDA gives
+``SinBackward0`` node. ``HangOnExp`` loops forever, using CPU (so that
+``--cpu-timeout`` stops it however busy the machine is), when it holds an
+``ExpBackward0`` node; ``SleepOnExp`` sleeps forever instead (only the
+wall-clock ``--timeout`` stops it). ``DeviceErrorOnNeg`` raises the error CUDA gives
 after an illegal memory access (``torch.AcceleratorError``) when it holds a
 ``NegBackward0`` node. Every other program agrees with eager. Load them
 with ``--plugin PATH/crashing_subject.py:AbortOnSin`` (or ``:HangOnExp``,
-``:DeviceErrorOnNeg``).
+``:SleepOnExp``, ``:DeviceErrorOnNeg``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ class AbortOnSin(harness.EagerSubject):
 class HangOnExp(harness.EagerSubject):
     def __init__(self) -> None:
         super().__init__("hang[exp]")
+
+    def run(self, run: ProgramRun):
+        if graph_has(run.outputs, "ExpBackward0"):
+            while True:
+                pass
+        return run_backward(run)
+
+
+class SleepOnExp(harness.EagerSubject):
+    def __init__(self) -> None:
+        super().__init__("sleep[exp]")
 
     def run(self, run: ProgramRun):
         if graph_has(run.outputs, "ExpBackward0"):

@@ -43,7 +43,7 @@ def _campaign(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
         cwd=HERE.parent.parent,
     )
 
@@ -89,8 +89,8 @@ def test_short_clean_campaign_writes_report_and_resumes(tmp_path: Path) -> None:
 def test_injected_divergence_exits_1_with_a_shrunk_reproducer(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = _campaign(
-        "--budget", "120", "--max-programs", "30", "--seed", "3", "--out", str(out), "--plugin", BROKEN,
-        "--shrink-seconds", "10", "--no-progress", "--known", "none", "--ops", "mul,sin,add,exp,sum"
+        "--budget", "3600", "--max-programs", "30", "--seed", "3", "--out", str(out), "--plugin", BROKEN,
+        "--shrink-seconds", "600", "--no-progress", "--known", "none", "--ops", "mul,sin,add,exp,sum"
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
@@ -151,7 +151,7 @@ def test_a_known_issue_narrowed_to_ops_covers_the_programs_that_use_them(tmp_pat
     )
     out = tmp_path / "out"
     proc = _campaign(
-        "--budget", "60", "--max-programs", "12", "--seed", "3", "--out", str(out), "--plugin", BROKEN,
+        "--budget", "3600", "--max-programs", "12", "--seed", "3", "--out", str(out), "--plugin", BROKEN,
         "--no-progress", "--known", str(known), "--ops", "mul,sin,sum", "--no-hooks", "--neighbours", "0",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -162,7 +162,7 @@ def test_a_known_issue_narrowed_to_ops_covers_the_programs_that_use_them(tmp_pat
 
 def _ops_seen(tmp_path: Path, name: str) -> dict:
     cfg = CampaignConfig(
-        budget_s=120,
+        budget_s=3600,
         seed=9,
         out=tmp_path / name,
         subjects=["eager"],
@@ -216,7 +216,7 @@ def test_a_campaign_stopped_by_sigterm_resumes_its_rounds(tmp_path: Path) -> Non
 
     out = tmp_path / "out"
     args = [sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--seed", "3", "--out", str(out),
-            "--subjects", "eager", "--no-progress", "--workers", "1", "--budget", "120", "--round-size", "4"]  # fmt: skip
+            "--subjects", "eager", "--no-progress", "--workers", "1", "--budget", "3600", "--round-size", "4"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=HERE.parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300  # bounded by programs run, not by how busy the machine is
     while time.monotonic() < deadline:  # wait until some programs ran
@@ -243,7 +243,7 @@ def _exp_campaign(out: Path, plugin: str) -> dict:
     """A small campaign of exp/sin/neg/sum programs under one plugin
     subject of broken_subject.py; its report."""
     proc = _campaign(
-        "--budget", "60", "--max-programs", "25", "--seed", "4", "--out", str(out),
+        "--budget", "3600", "--max-programs", "25", "--seed", "4", "--out", str(out),
         "--plugin", f"{HERE / 'broken_subject.py'}:{plugin}", "--no-progress", "--known", "none",
         "--ops", "exp,sin,neg,sum", "--no-hooks", "--no-shapes", "--neighbours", "0",
     )  # fmt: skip

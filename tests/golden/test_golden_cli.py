@@ -233,3 +233,34 @@ def test_accepted_files_are_world_readable(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert mode == 0o666 & ~umask
+
+
+def test_new_version_makes_the_set_and_reviews_it_against_the_newest_older_one(tmp_path):
+    """``new-version`` writes the running torch's set and reviews it against
+    the newest older set: one graph line planted in the older set shows as
+    that scenario changed, the other as ok; run again, it refuses (the set
+    exists: exit 1)."""
+    running = torch_version()
+    major, minor = (int(x) for x in running.split("."))
+    accepted_root = tmp_path / "captured"
+    assert cli("--root", accepted_root, "accept", "two_losses", "views").exit_code == 0
+    tmp_path = tmp_path / "root"
+    older, oldest = tmp_path / f"torch-{major}.{minor - 1}", tmp_path / f"torch-{major}.{minor - 2}"
+    for d in (older, oldest):
+        d.mkdir(parents=True)
+        for name in ("two_losses", "views"):
+            (d / f"{name}.txt").write_text((accepted_root / f"torch-{running}" / f"{name}.txt").read_text())
+    text = (older / "two_losses.txt").read_text()
+    line = _graph_op_line(text)
+    (older / "two_losses.txt").write_text(text.replace(line + "\n", line.replace("= aten.", "= aten.planted_", 1) + "\n", 1))
+
+    result = cli("--root", tmp_path, "new-version", "two_losses", "views")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / f"torch-{running}").iterdir()) == ["two_losses.txt", "views.txt"]
+    assert (tmp_path / f"torch-{running}" / "views.txt").read_text() == (accepted_root / f"torch-{running}" / "views.txt").read_text()
+    out = result.output
+    assert f"torch {major}.{minor - 1} snapshots vs" in out and "1 ok, 1 changed" in out, out
+    assert "`two_losses` | changed" in out and "aten.planted_" in out
+
+    again = cli("--root", tmp_path, "new-version", "views")
+    assert again.exit_code == 1 and "exists already" in again.output

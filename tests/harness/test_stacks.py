@@ -254,11 +254,15 @@ def _rank1_hangs(ctx: StackContext) -> None:
 
 
 def test_a_rank_that_hangs_is_killed_and_reported():
-    start = time.monotonic()
-    outcome = only("test_rank1_hangs", "cagrad[eager]", timeout=10)
-    assert outcome.status is StackStatus.ERROR
-    assert outcome.error.type == "TimeoutError" and outcome.error.message.startswith("rank 1: did not report")
-    assert time.monotonic() - start < 120
+    # rank 1 sleeps for an hour: returning at all shows it was killed, and
+    # its run says so whatever the load (no wall-clock bound asserted; on a
+    # busy machine rank 0 may miss the 10 s too and is then reported alike)
+    from harness.stacks.distributed import run_distributed
+
+    _, (run,) = run_distributed(get("test_rank1_hangs"), [make_subject("cagrad[eager]")], CPU, timeout=10)
+    hung = run.ranks[1].error
+    assert hung is not None and hung.type == "TimeoutError" and hung.message.startswith("did not report"), hung
+    assert run.ranks[0].error is None or run.ranks[0].error.type == "TimeoutError", run.ranks[0].error
 
 
 def test_ranks_are_judged_one_by_one():
