@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-#: Library name -> the module a row imports.
-LIBRARIES = {"transformers": "transformers", "torchvision": "torchvision", "timm": "timm"}
+#: Library name -> the module a row imports (``torch``: rows on plain
+#: torch, always available).
+LIBRARIES = {"transformers": "transformers", "torchvision": "torchvision", "timm": "timm", "torch": "torch"}
 
 #: The torchvision operators whose fake kernels torchvision registers even
 #: without its extension, with their schemas (torchvision/csrc/ops/nms.cpp).
@@ -147,6 +148,8 @@ def versions() -> dict[str, str | None]:
 
     out: dict[str, str | None] = {"torch": torch.__version__}
     for name in LIBRARIES:
+        if name == "torch":
+            continue
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -57,12 +57,16 @@ def all_rows() -> list[ModelRow]:
     return list(_REGISTRY.values())
 
 
-def get(name: str) -> ModelRow:
-    """The row registered as ``name``.
+def get(name: str, module: str | None = None) -> ModelRow:
+    """The row registered as ``name``; ``module`` (the module that defines
+    it) is imported first when given, so that a spawned process finds rows
+    defined outside the catalog.
 
     Raises:
         KeyError: no row has that name (the message lists the known ones).
     """
+    if module is not None:
+        importlib.import_module(module)
     load_catalog()
     if name not in _REGISTRY:
         raise KeyError(f"unknown model row {name!r}; known: {', '.join(_REGISTRY)}")

@@ -74,10 +74,10 @@ def run_row(
     return out
 
 
-def _child(name: str, subject_names: list[str], device: str, seed: int, conn) -> None:
+def _child(name: str, module: str, subject_names: list[str], device: str, seed: int, conn) -> None:
     prepare_offline()
     try:
-        outcomes = run_row(get(name), resolve(subject_names), torch.device(device), seed=seed)
+        outcomes = run_row(get(name, module), resolve(subject_names), torch.device(device), seed=seed)
         conn.send([o.to_json() for o in outcomes])
     except BaseException as exc:  # noqa: BLE001 - sent back as the row's error
         conn.send({"error": ErrorInfo.from_exception(exc).to_json()})
@@ -94,7 +94,7 @@ def run_row_isolated(
     every subject."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(row.name, [s.name for s in subjects], str(device), seed, child), daemon=True)
+    proc = ctx.Process(target=_child, args=(row.name, row.build.__module__, [s.name for s in subjects], str(device), seed, child), daemon=True)
     proc.start()
     child.close()
     data, timed_out = None, False
