@@ -84,9 +84,18 @@ def _config(module_name: str) -> Callable[[], Any]:
         cfg = mod.get_config_copy()
         # values are compared by their repr: some are callables or objects
         # without a useful __eq__; sorted so the text is stable
-        return tuple(sorted((k, repr(v)) for k, v in cfg.items()))
+        return tuple(sorted((k, _stable_repr(v)) for k, v in cfg.items()))
 
     return read
+
+
+def _stable_repr(v: Any) -> str:
+    # a set's repr follows its iteration order, which two equal sets need
+    # not share (dynamo's _save_config_ignore read twice in one process
+    # printed its four names in different orders): its items sorted instead
+    if isinstance(v, (set, frozenset)):
+        return f"{type(v).__name__}({sorted(repr(x) for x in v)})"
+    return repr(v)
 
 
 def _mode_stacks() -> tuple:

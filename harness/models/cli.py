@@ -78,7 +78,13 @@ def models(row_names, subject_names, device, seed, json_out, in_process, timeout
 
     try:
         report = run_models(
-            selected, _names(subject_names), device, seed=seed, isolate=not in_process, timeout=timeout, on_outcomes=progress
+            selected,
+            _names(subject_names),
+            device,
+            seed=seed,
+            isolate=not in_process,
+            timeout=timeout,
+            on_outcomes=progress,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc

@@ -120,7 +120,9 @@ def bert_mlm(device: torch.device) -> Setup:
     return Setup(model, _adamw(model), loss)
 
 
-@row("llama", "transformers", "LlamaForCausalLM, 2 layers, GQA (4 heads, 2 KV), float64, attention dropout 0.1; 3 steps")
+@row(
+    "llama", "transformers", "LlamaForCausalLM, 2 layers, GQA (4 heads, 2 KV), float64, attention dropout 0.1; 3 steps"
+)
 def llama(device: torch.device) -> Setup:
     return _causal_lm(_llama(device), device, F64)
 
@@ -184,8 +186,7 @@ def t5_labels(device: torch.device) -> Setup:
 @row(
     "hf_vit",
     "transformers",
-    "ViTForImageClassification, 16x16 images in 4x4 patches, 2 layers, float64, dropout 0.1, "
-    "5 classes; 3 steps",
+    "ViTForImageClassification, 16x16 images in 4x4 patches, 2 layers, float64, dropout 0.1, 5 classes; 3 steps",
 )
 def hf_vit(device: torch.device) -> Setup:
     from transformers import ViTConfig, ViTForImageClassification
@@ -231,8 +232,7 @@ def _mixtral(device: torch.device, experts: str) -> Setup:
     model.set_experts_implementation(experts)
     if model.config._experts_implementation != experts:
         raise RuntimeError(
-            f"transformers kept experts_implementation={model.config._experts_implementation!r}, "
-            f"not {experts!r}"
+            f"transformers kept experts_implementation={model.config._experts_implementation!r}, not {experts!r}"
         )
     # float32: torch.nn.functional.grouped_mm takes float32/bfloat16/float16 only
     return _causal_lm(model, device, torch.float32)

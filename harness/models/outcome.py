@@ -18,6 +18,7 @@ Statuses are :class:`harness.stacks.outcome.StackStatus`'s, read per row:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from harness.outcome import ErrorInfo, Mismatch
@@ -160,7 +161,7 @@ class RowOutcome:
 def _finite(x: float | None) -> float | str | None:
     if x is None:
         return None
-    return x if x == x and abs(x) != float("inf") else str(x)
+    return x if math.isfinite(x) else str(x)
 
 
 @dataclasses.dataclass

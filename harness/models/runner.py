@@ -42,7 +42,9 @@ def resolve(subjects: Sequence[Subject | str] | None) -> list[Subject]:
     return [make_subject(s) if isinstance(s, str) else s for s in (subjects or DEFAULT_SUBJECTS)]
 
 
-def _outcomes(row: ModelRow, subjects: Sequence[Subject], device: torch.device, status: RowStatus, **kw) -> list[RowOutcome]:
+def _outcomes(
+    row: ModelRow, subjects: Sequence[Subject], device: torch.device, status: RowStatus, **kw
+) -> list[RowOutcome]:
     return [RowOutcome(row.name, row.library, s.name, str(device), status, peer=s.peer, **kw) for s in subjects]
 
 
@@ -86,7 +88,12 @@ def _child(name: str, module: str, subject_names: list[str], device: str, seed: 
 
 
 def run_row_isolated(
-    row: ModelRow, subjects: Sequence[Subject], device: torch.device, *, seed: int = 0, timeout: float = DEFAULT_TIMEOUT_S
+    row: ModelRow,
+    subjects: Sequence[Subject],
+    device: torch.device,
+    *,
+    seed: int = 0,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> list[RowOutcome]:
     """:func:`run_row` in a fresh spawned process (default tolerance policy;
     subjects are passed by name). A process that dies, raises outside the
@@ -94,7 +101,11 @@ def run_row_isolated(
     every subject."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(row.name, row.build.__module__, [s.name for s in subjects], str(device), seed, child), daemon=True)
+    proc = ctx.Process(
+        target=_child,
+        args=(row.name, row.build.__module__, [s.name for s in subjects], str(device), seed, child),
+        daemon=True,
+    )
     proc.start()
     child.close()
     data, timed_out = None, False

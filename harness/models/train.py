@@ -163,7 +163,9 @@ def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) 
         try:
             out.counts, out.fallback_reasons = counter_deltas(before, subject.counters())
             after = _forced_opaque(subject)
-            out.forced_opaque = {r: n - forced_before.get(r, 0) for r, n in after.items() if n > forced_before.get(r, 0)}
+            out.forced_opaque = {
+                r: n - forced_before.get(r, 0) for r, n in after.items() if n > forced_before.get(r, 0)
+            }
         except Exception:  # noqa: BLE001 - a broken engine already shows as the error
             pass
         out.opaque_nodes = dict(census)

@@ -30,7 +30,11 @@ def _classifier(model: torch.nn.Module, device: torch.device, size: int = 32) ->
     return Setup(model, opt, loss)
 
 
-@row("resnet", "torchvision", "torchvision ResNet(BasicBlock, [1, 1, 1, 1]) (4.9M parameters), BatchNorm, float64; 3 steps")
+@row(
+    "resnet",
+    "torchvision",
+    "torchvision ResNet(BasicBlock, [1, 1, 1, 1]) (4.9M parameters), BatchNorm, float64; 3 steps",
+)
 def resnet(device: torch.device) -> Setup:
     from torchvision.models.resnet import BasicBlock, ResNet
 
