@@ -56,13 +56,12 @@ class ModelRow:
         description: one line for ``--list`` and the docs.
         build: ``build(device) -> Setup``; called under the run's seed, after
             the library imported.
-        dtype: the dtype the model's parameters are in (``float64`` where the
-            model allows; the tolerance follows each tensor's dtype).
+        dtype: the dtype of the model's floating parameters (``float64``
+            where the model allows; the tolerance follows each tensor's
+            dtype); the trainer checks it after the build.
         steps: optimizer steps per run.
-        needs: other libraries the row imports too (``timm`` needs
-            ``torchvision``).
-        known_issue: where a row is known to fail on a cagrad bug being
-            fixed, what it is (shown in the docs; never changes a verdict).
+        needs: other libraries the row imports directly, besides
+            :attr:`library` (each must be available, or the row is skipped).
     """
 
     name: str
@@ -72,7 +71,6 @@ class ModelRow:
     dtype: torch.dtype = torch.float64
     steps: int = 3
     needs: tuple[str, ...] = ()
-    known_issue: str = ""
 
     @property
     def libraries(self) -> tuple[str, ...]:

@@ -126,6 +126,12 @@ def _forced_opaque(subject: Subject) -> dict[str, int]:
     return dict(cagrad.counters["opaque_reasons"])
 
 
+def _check_dtype(row: ModelRow, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    for name, p in params:
+        if p.is_floating_point() and p.dtype != row.dtype:
+            raise TypeError(f"row {row.name!r} declares {row.dtype} parameters, but {name} is {p.dtype}")
+
+
 def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) -> RowRun:
     """Runs ``row`` under ``subject`` on ``device`` from ``seed`` and returns
     what it recorded. Never raises an ``Exception`` of the row or the engine
@@ -142,6 +148,7 @@ def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) 
         with seeded(device, seed), _opaque_census(subject, census):
             setup = row.build(device)
             params = list(setup.model.named_parameters())
+            _check_dtype(row, params)
             for step in range(row.steps):
                 setup.optimizer.zero_grad(set_to_none=True)
                 loss = setup.loss()
