@@ -83,7 +83,8 @@ class RowOutcome:
 
     def describe(self) -> str:
         """One line: what explains the status, then what cagrad did that
-        is worth knowing (deopts, forced-opaque nodes, fallbacks)."""
+        is worth knowing (deopts, forced-opaque nodes, recaptures with their
+        causes from the ``recompiles_*`` counters, fallbacks)."""
         parts = []
         if self.status is RowStatus.SKIPPED:
             return self.skip_reason
@@ -100,6 +101,13 @@ class RowOutcome:
         degraded = [f"{k} {self.counts[k]}" for k in DEGRADED if self.counts.get(k)]
         if degraded:
             parts.append(", ".join(degraded))
+        if self.counts.get("recompiles"):
+            causes = [
+                f"{k[len('recompiles_') :]} {n}"
+                for k, n in sorted(self.counts.items())
+                if k.startswith("recompiles_") and n
+            ]
+            parts.append(f"recaptures {self.counts['recompiles']}" + (f" ({', '.join(causes)})" if causes else ""))
         if self.forced_opaque:
             parts.append("forced opaque: " + ", ".join(f"{r} x{n}" for r, n in sorted(self.forced_opaque.items())))
         if self.fallback_reasons:
