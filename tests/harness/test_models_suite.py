@@ -218,7 +218,7 @@ def test_cli_list_and_usage_errors() -> None:
 
 def test_cli_runs_a_row_and_writes_json(tmp_path) -> None:
     out = tmp_path / "models.json"
-    args = ["models", "--rows", "plain_mlp_dropout", "--subjects", "cagrad[eager]", "--in-process", "--json", str(out)]
+    args = ["models", "--rows", "plain_mlp_dropout", "--subjects", "eager", "--in-process", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
