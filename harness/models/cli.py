@@ -7,7 +7,8 @@
     python -m harness models --rows gpt2,resnet --subjects 'cagrad[eager]'
     python -m harness models --device cuda --json out.json
 
-Each row runs in its own spawned process unless ``--in-process``. Exit
+Each row runs in its own spawned process unless ``--in-process``
+(``--process-per-subject``: one per (row, subject)). Exit
 status: 0 when every (row, subject) matches or is skipped, 1 when any
 mismatches, errors or falls back to eager (``fell_back``), 2 on a usage
 error. Outcomes of a peer (``torch_ca[...]``) are shown, marked
@@ -46,6 +47,12 @@ def _names(text: str | None) -> list[str] | None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the report here.")
 @click.option("--in-process", is_flag=True, help="Run every row in this process instead of one spawned process each.")
 @click.option(
+    "--process-per-subject",
+    is_flag=True,
+    help="A spawned process per (row, subject), eager's reference rerun in each: every subject starts where cagrad "
+    "never ran.",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=1),
     default=1200.0,
@@ -53,7 +60,9 @@ def _names(text: str | None) -> list[str] | None:
     help="Seconds one row (eager and every subject) may take in its process before it is killed.",
 )
 @click.option("--list", "list_only", is_flag=True, help="List the rows and exit.")
-def models(row_names, subject_names, device, seed, json_out, in_process, timeout, list_only) -> None:
+def models(
+    row_names, subject_names, device, seed, json_out, in_process, process_per_subject, timeout, list_only
+) -> None:
     """Models of transformers, torchvision and timm trained under eager autograd and every subject, compared."""
     from harness.models import registry
     from harness.models.runner import run_models
@@ -67,6 +76,8 @@ def models(row_names, subject_names, device, seed, json_out, in_process, timeout
         for r in registry.all_rows():
             click.echo(f"{r.name:<24}{r.library:<13}{r.description}")
         raise SystemExit(EXIT_OK)
+    if in_process and process_per_subject:
+        raise click.UsageError("--in-process and --process-per-subject exclude each other")
     try:
         selected = registry.select(_names(row_names))
     except KeyError as exc:
@@ -83,6 +94,7 @@ def models(row_names, subject_names, device, seed, json_out, in_process, timeout
             device,
             seed=seed,
             isolate=not in_process,
+            per_subject=process_per_subject,
             timeout=timeout,
             on_outcomes=progress,
         )

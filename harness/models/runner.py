@@ -5,7 +5,11 @@ process: this one (``isolate=False``), or a fresh spawned process per row
 (``isolate=True``, the command line's default), so that a row sees a process
 in which cagrad has not run yet (as a user's training script does), a crash
 or hang of one row cannot take the others with it, and the memory a model
-held is given back. Only outcomes (plain data) cross the process boundary.
+held is given back. With ``per_subject=True`` each (row, subject) gets its
+own process (eager's reference runs again in each): then every subject, not
+only the first, starts where cagrad has never run, so what cagrad does once
+per process (its first backward) shows under each. Only outcomes (plain
+data) cross the process boundary.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ def run_models(
     *,
     seed: int = 0,
     isolate: bool = True,
+    per_subject: bool = False,
     timeout: float = DEFAULT_TIMEOUT_S,
     policy: TolerancePolicy = tolerance_for,
     on_outcomes: Callable[[list[RowOutcome]], None] | None = None,
@@ -153,6 +158,7 @@ def run_models(
         seed: the seed every run starts from.
         isolate: each row in its own spawned process (``policy`` is then
             the default one); ``False``: all in this process.
+        per_subject: with ``isolate``, a process per (row, subject) instead.
         timeout: seconds an isolated row may take.
         policy: the tolerance policy (:func:`harness.tolerance.tolerance_for`).
         on_outcomes: called with each row's outcomes as they are judged.
@@ -176,7 +182,9 @@ def run_models(
     if note:
         report.notes.append(note)
     for row in rows:
-        if isolate:
+        if isolate and per_subject:
+            outcomes = [o for s in subject_list for o in run_row_isolated(row, [s], dev, seed=seed, timeout=timeout)]
+        elif isolate:
             outcomes = run_row_isolated(row, subject_list, dev, seed=seed, timeout=timeout)
         else:
             outcomes = run_row(row, subject_list, dev, seed=seed, policy=policy)

@@ -124,6 +124,15 @@ def test_ci_row_matches_eager(name: str) -> None:
         assert o.counts["fallbacks"] == 0 and o.counts["deopts"] == 0, o.counts
 
 
+def test_every_subject_in_a_fresh_process_matches() -> None:
+    # a process per (row, subject): each cagrad subject runs the first
+    # backward of its process, as a user's training script does
+    report = run_models([registry.get("plain_mlp_dropout")], list(CI_ROWS["gpt2"]), per_subject=True, timeout=300)
+    assert [o.subject for o in report.outcomes] == list(CI_ROWS["gpt2"])
+    for o in report.outcomes:
+        assert o.status is RowStatus.MATCH, f"{o.subject}: {o.describe()}"
+
+
 def test_plain_row_matches_in_process() -> None:
     o = _only(run_row(registry.get("plain_mlp_dropout"), [make_subject("cagrad[eager]")], torch.device("cpu")))
     assert o.status is RowStatus.MATCH, o.describe()
@@ -214,6 +223,7 @@ def test_cli_list_and_usage_errors() -> None:
         assert name in listed.output
     assert runner.invoke(main, ["models", "--rows", "no_such_row"]).exit_code == 2
     assert runner.invoke(main, ["models", "--rows", "gpt2", "--subjects", "cagrad[eager"]).exit_code == 2
+    assert runner.invoke(main, ["models", "--in-process", "--process-per-subject"]).exit_code == 2
 
 
 def test_cli_runs_a_row_and_writes_json(tmp_path) -> None:
