@@ -1,12 +1,14 @@
 """``python -m harness <command>``: the harness's command line.
 
-Commands: ``stacks`` (:mod:`harness.stacks.cli`).
+Commands: ``stacks`` (:mod:`harness.stacks.cli`), ``models``
+(:mod:`harness.models.cli`).
 """
 
 from __future__ import annotations
 
 import click
 
+from harness.models.cli import models
 from harness.stacks.cli import stacks
 
 
@@ -16,6 +18,7 @@ def main() -> None:
 
 
 main.add_command(stacks)
+main.add_command(models)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,104 @@
+"""Rows on torchvision (ResNet, MobileNetV3, ViT) and timm (ConvNeXt,
+EfficientNet): image classifiers built from their constructors with random
+weights, float64, in train mode (BatchNorm statistics, dropout and
+stochastic depth on), trained with SGD (lr 0.05, momentum 0.9, weight decay
+1e-4) on batches of 4 random 32x32 images (16x16 for ViT) with random labels
+of 10 classes, drawn from the global RNG at each step; cross-entropy loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from harness.models.registry import row
+from harness.models.row import Setup
+
+BATCH, CLASSES = 4, 10
+F64 = torch.float64
+
+
+def _classifier(model: torch.nn.Module, device: torch.device, size: int = 32) -> Setup:
+    model = model.to(device=device, dtype=F64).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+    def loss() -> torch.Tensor:
+        images = torch.randn(BATCH, 3, size, size, device=device, dtype=F64)
+        labels = torch.randint(CLASSES, (BATCH,), device=device)
+        return F.cross_entropy(model(images), labels)
+
+    return Setup(model, opt, loss)
+
+
+@row(
+    "resnet",
+    "torchvision",
+    "torchvision ResNet(BasicBlock, [1, 1, 1, 1]) (4.9M parameters), BatchNorm, float64; 3 steps",
+)
+def resnet(device: torch.device) -> Setup:
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    return _classifier(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=CLASSES), device)
+
+
+@row(
+    "mobilenet_v3",
+    "torchvision",
+    "torchvision mobilenet_v3_small(width_mult=0.25): depthwise convs, squeeze-excitation, "
+    "Hardswish, dropout 0.2, float64; 3 steps",
+)
+def mobilenet_v3(device: torch.device) -> Setup:
+    from torchvision.models import mobilenet_v3_small
+
+    return _classifier(mobilenet_v3_small(num_classes=CLASSES, width_mult=0.25), device)
+
+
+@row(
+    "tv_vit",
+    "torchvision",
+    "torchvision VisionTransformer, 16x16 images in 4x4 patches, 2 layers, dropout and "
+    "attention dropout 0.1, float64; 3 steps",
+)
+def tv_vit(device: torch.device) -> Setup:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(
+        image_size=16,
+        patch_size=4,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=32,
+        mlp_dim=64,
+        dropout=0.1,
+        attention_dropout=0.1,
+        num_classes=CLASSES,
+    )
+    return _classifier(model, device, size=16)
+
+
+@row(
+    "timm_convnext",
+    "timm",
+    "timm test_convnext (depthwise 7x7 convs, LayerNorm, layer scale), drop_rate 0.1, "
+    "drop_path_rate 0.1, float64; 3 steps",
+)
+def timm_convnext(device: torch.device) -> Setup:
+    import timm
+
+    model = timm.create_model("test_convnext", pretrained=False, num_classes=CLASSES, drop_rate=0.1, drop_path_rate=0.1)
+    return _classifier(model, device)
+
+
+@row(
+    "timm_efficientnet",
+    "timm",
+    "timm test_efficientnet (MBConv, squeeze-excitation, SiLU, BatchNorm), drop_rate 0.1, "
+    "drop_path_rate 0.1, float64; 3 steps",
+)
+def timm_efficientnet(device: torch.device) -> Setup:
+    import timm
+
+    model = timm.create_model(
+        "test_efficientnet", pretrained=False, num_classes=CLASSES, drop_rate=0.1, drop_path_rate=0.1
+    )
+    return _classifier(model, device)
