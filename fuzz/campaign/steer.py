@@ -22,8 +22,9 @@ round cut short by a failure still counts whole.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
@@ -92,11 +93,38 @@ class RoundPlan:
         return dataclasses.replace(base, prune=False, op_weights=self.op_weights or base.op_weights, op_rotation=self.op_rotation)
 
 
+@contextlib.contextmanager
+def _without_constants() -> Iterator[None]:
+    """Hypothesis draws about one choice in twenty from a pool of constants,
+    among them every integer literal in the source of the *local* modules the
+    process has imported (``hypothesis.internal.conjecture.providers``),
+    collected the first time a kind of choice is drawn: what a round
+    generated depended on what the process had imported by then (the parent,
+    a fresh worker and one that ran rounds generated different programs
+    from one seed). Rounds draw no constants. This reaches into Hypothesis'
+    internals; where they differ (another version), nothing is changed."""
+    try:
+        from hypothesis.internal.conjecture.providers import HypothesisProvider
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = HypothesisProvider.__dict__.get("_maybe_draw_constant")
+    if original is None:  # pragma: no cover
+        yield
+        return
+    HypothesisProvider._maybe_draw_constant = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        HypothesisProvider._maybe_draw_constant = original  # type: ignore[method-assign]
+
+
 def round_test(gen: GenConfig, round_seed: int, round_size: int, body: Callable[[Program], None]) -> Callable[[], None]:
     """The Hypothesis test of one round: ``body(program.pruned())`` for
-    ``round_size`` programs of ``programs(gen)``, seeded with ``round_seed``.
-    The campaign's rounds and :func:`generated_counts` both use it, so that
-    they generate the same programs."""
+    ``round_size`` programs of ``programs(gen)``, seeded with ``round_seed``,
+    drawing no constants (:func:`_without_constants`). The campaign's rounds
+    and :func:`generated_counts` both use it, so that they generate the
+    same programs in any process."""
 
     @settings(
         max_examples=round_size,
@@ -114,7 +142,11 @@ def round_test(gen: GenConfig, round_seed: int, round_size: int, body: Callable[
     def campaign_round(program: Program) -> None:
         body(program.pruned())
 
-    return campaign_round
+    def run() -> None:
+        with _without_constants():
+            campaign_round()
+
+    return run
 
 
 def round_seed(campaign_seed: int, r: int) -> int:

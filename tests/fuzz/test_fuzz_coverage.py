@@ -217,3 +217,34 @@ def test_report_coverage_validates_and_merges(tmp_path: Path) -> None:
     }  # fmt: skip
     assert cov["feature_groups"]["op"]["covered"] == 2
     assert "op=neg" not in cov["feature_groups"]["op"]["uncovered"] and "op=log" in cov["feature_groups"]["op"]["uncovered"]
+
+
+_ROUND_HASH = """
+import hashlib
+from fuzz.campaign.steer import RoundPlan, round_test
+from fuzz.strategies import GenConfig
+out = []
+round_test(RoundPlan().gen(GenConfig()), 77, 40, lambda p: out.append(p.to_json(indent=None)))()
+print(hashlib.sha256("\\n".join(out).encode()).hexdigest())
+"""
+
+
+def test_a_round_generates_the_same_programs_whatever_the_process_imported() -> None:
+    """Hypothesis's constant pool holds the literals of every local module
+    imported; rounds leave it out. Here a fresh interpreter that imported only
+    the strategies and this one (with cagrad, the harness and the oracle
+    loaded) generate one round alike."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    import cagrad  # noqa: F401
+    import fuzz.oracle  # noqa: F401
+    import harness  # noqa: F401
+
+    here: list[str] = []
+    round_test(RoundPlan().gen(GenConfig()), 77, 40, lambda p: here.append(p.to_json(indent=None)))()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    fresh = subprocess.run([sys.executable, "-c", _ROUND_HASH], capture_output=True, text=True, env=env, check=True)
+    assert fresh.stdout.strip() == hashlib.sha256("\n".join(here).encode()).hexdigest()
