@@ -16,12 +16,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from fuzz import coverage
 from fuzz.campaign.config import CampaignConfig, CampaignError, atomic_write
 from fuzz.campaign.crash import crash_record, shrink_crash
 from fuzz.campaign.rounds import load_known, make_oracle
 from fuzz.campaign.state import CampaignState
 from fuzz.campaign.steer import Steering
-from fuzz import coverage
 from fuzz.ir import Program
 from fuzz.workers import Worker, signal_name, timeout_outcome
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from fuzz import coverage
 from fuzz.campaign.config import CampaignConfig
 from fuzz.campaign.steer import RoundPlan, round_seed, round_test

@@ -39,12 +39,15 @@ def steered() -> dict[str, Any]:
 def test_generated_ops_are_spread_over_the_whole_catalog(unsteered: dict[str, Any]) -> None:
     # main drew ops with Hypothesis's bias toward the first choice: in the
     # first 500 programs of seed 1, neg was 441 of 2048 op uses (14.9 x the mean)
-    # (every op is used within these 300 when steered: the steering test)
+    # Unsteered, each round's rotation op still gets Hypothesis's simplest
+    # programs (one op each, about a fifth of a round), hence 4 x here;
+    # steered (the default) it is the op that needs them: the steering test
+    # holds every op and at most 3 x the mean.
     counts = unsteered["op_counts"]
     assert len(counts) >= len(catalog.OPS) - 5, sorted(set(catalog.OPS) - set(counts))
     mean = sum(counts.values()) / len(catalog.OPS)
     top = max(counts, key=counts.get)
-    assert counts[top] <= 3 * mean, (top, counts[top], mean)
+    assert counts[top] <= 4 * mean, (top, counts[top], mean)
     assert counts["neg"] <= 2 * mean
 
 
@@ -137,7 +140,7 @@ def test_steering_draws_the_neediest_ops_more(unsteered: dict[str, Any], steered
     # least used op unsteered; steering weighs it up from the second round
     off, on = unsteered["op_counts"], steered["op_counts"]
     assert on.get("mul_inplace", 0) >= 2 * max(1, off.get("mul_inplace", 0)), (on.get("mul_inplace"), off.get("mul_inplace"))
-    missing = lambda got: sum(len(g["uncovered"]) for g in got["coverage"]["pair_groups"].values())  # noqa: E731
+    missing = lambda got: sum(len(g["uncovered"]) for g in got["coverage"]["pair_groups"].values())
     assert missing(steered) <= missing(unsteered)
     mean = sum(on.values()) / len(catalog.OPS)
     assert set(on) == set(catalog.OPS) and max(on.values()) <= 3 * mean
@@ -159,8 +162,11 @@ def test_round_plans_depend_on_the_seed_and_round_only(tmp_path: Path) -> None:
 
 
 class _StubOracle:
-    devices = ["cpu"]
-    plugin_of: dict[str, str] = {}
+    """Runs nothing: every program agrees."""
+
+    def __init__(self) -> None:
+        self.devices = ["cpu"]
+        self.plugin_of: dict[str, str] = {}
 
     def run(self, program: Program, only: Any = None) -> Verdict:
         return Verdict(None, [])
@@ -239,9 +245,9 @@ def test_a_round_generates_the_same_programs_whatever_the_process_imported() -> 
     import subprocess
     import sys
 
-    import cagrad  # noqa: F401
-    import fuzz.oracle  # noqa: F401
-    import harness  # noqa: F401
+    import cagrad
+    import fuzz.oracle
+    import harness
 
     here: list[str] = []
     round_test(RoundPlan().gen(GenConfig()), 77, 40, lambda p: here.append(p.to_json(indent=None)))()
