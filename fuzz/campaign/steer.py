@@ -34,37 +34,42 @@ from fuzz.interpret import derived_seed
 from fuzz.ir import Program
 from fuzz.strategies import OP_SLOTS, GenConfig, op_slots, op_weights, programs
 
-#: A steered op weighs at most this many times its base weight, and at
-#: least its inverse.
+#: A steered op weighs at most this many times the mean base weight, and
+#: at least 1/MAX_BOOST of its own.
 MAX_BOOST = 8.0
-#: How much more an op weighs per pair naming it (or its category) that no
+#: Mean base weights an op gains per pair of :data:`fuzz.coverage.PAIRS`
+#: that names it (through its name, category or in-place kind) and that no
 #: program has had yet.
-PAIR_BOOST = 3.0
+PAIR_BOOST = 2.0
+
+#: Axes whose values stand for sets of ops (pairs with them steer those ops).
+_OP_AXES = ("op", "category", "inplace")
 
 
 def _missing_pairs(names: list[str], pair_counts: dict[str, int]) -> dict[str, float]:
     """Per op, the pairs of :data:`fuzz.coverage.PAIRS` not generated yet
-    that name it (``op=n & ...``), plus for pairs naming its category
-    (``category=c & ...``) one over the number of ops of that category."""
+    that name it: ``op=n & ...`` counts 1, and a pair naming its category
+    (``category=c & ...``) or its in-place kind (``inplace=inplace & ...``)
+    counts one over the number of ops it names."""
     from fuzz import ops as catalog
 
-    of_category: dict[str, list[str]] = {}
+    members: dict[tuple[str, str], list[str]] = {}
     for n in names:
-        of_category.setdefault(catalog.OPS[n].category, []).append(n)
+        cat = catalog.OPS[n].category
+        members.setdefault(("op", n), []).append(n)
+        members.setdefault(("category", cat), []).append(n)
+        if cat in ("inplace", "inplace_view"):
+            members.setdefault(("inplace", cat), []).append(n)
     missing = dict.fromkeys(names, 0.0)
-    for group, pair_names in coverage.domain_pairs().items():
-        axis = group.split(" x ", 1)[0]
-        if axis not in ("op", "category"):
-            continue
-        for p in pair_names:
+    for pair in coverage.PAIRS:
+        for p in coverage.domain_pairs()[pair.name]:
             if pair_counts.get(p, 0):
                 continue
-            value = p.split(" & ", 1)[0].split("=", 1)[1]
-            if axis == "op" and value in missing:
-                missing[value] += 1
-            elif axis == "category":
-                for n in of_category.get(value, ()):
-                    missing[n] += 1 / len(of_category[value])
+            (a_axis, a), (b_axis, b) = (side.split("=", 1) for side in p.split(" & ", 1))
+            for axis, value in ((a_axis, a), (b_axis, b)):
+                ops = members.get((axis, value), []) if axis in _OP_AXES else []
+                for n in ops:
+                    missing[n] += 1 / len(ops)
     return missing
 
 
@@ -171,12 +176,12 @@ def plan_round(base: GenConfig, op_counts: dict[str, int], pair_counts: dict[str
     """The plan of round ``r`` from the counts of the rounds before it.
 
     Op ``n`` of base weight ``w`` (share ``s`` of the base weights) drawn
-    ``c`` times out of ``C`` op uses has the need ``(s*C + 1) / (c + 1) *
-    (1 + PAIR_BOOST * u)``, ``u`` the pairs naming it never generated
-    (:func:`_missing_pairs`), and gets the weight ``w * need``, at least
-    ``w / MAX_BOOST`` and at most ``MAX_BOOST`` times the mean base weight
-    (so a ``rare`` op can catch up too). The rotation starts the op table at
-    the op of highest need (ties: the catalog's order): Hypothesis's
+    ``c`` times out of ``C`` op uses weighs ``w * (s*C + 1) / (c + 1) + m *
+    PAIR_BOOST * u``, ``m`` the mean base weight and ``u`` the pairs naming
+    it never generated (:func:`_missing_pairs`; a ``rare`` op with pairs to
+    cover so catches up too), at least ``w / MAX_BOOST`` and at most
+    ``MAX_BOOST * m``. The rotation starts the op table at the op whose
+    weight grew most over its base (ties: the catalog's order): Hypothesis's
     simplest programs get it. With no counts yet (round 0) the rotation
     comes from the seed and the weights are the base ones."""
     names = base.op_names()
@@ -190,9 +195,13 @@ def plan_round(base: GenConfig, op_counts: dict[str, int], pair_counts: dict[str
     need: dict[str, float] = {}
     weights_d: dict[str, float] = {}
     for n in names:
+        if w[n] <= 0:
+            need[n] = weights_d[n] = 0.0
+            continue
         expected = w[n] / total_w * uses
-        need[n] = (expected + 1) / (op_counts.get(n, 0) + 1) * (1 + PAIR_BOOST * missing[n]) if w[n] > 0 else 0.0
-        weights_d[n] = min(MAX_BOOST * mean_w, max(w[n] / MAX_BOOST, w[n] * need[n])) if w[n] > 0 else 0.0
+        raw = w[n] * (expected + 1) / (op_counts.get(n, 0) + 1) + mean_w * PAIR_BOOST * missing[n]
+        weights_d[n] = min(MAX_BOOST * mean_w, max(w[n] / MAX_BOOST, raw))
+        need[n] = raw / w[n]
     weights = tuple((n, round(weights_d[n], 6)) for n in names)
     neediest = max(names, key=lambda n: (need[n], -names.index(n)))
     slots = op_slots(tuple(names), weights)

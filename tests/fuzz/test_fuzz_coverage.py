@@ -23,7 +23,7 @@ from fuzz.oracle import Verdict
 from fuzz.report.load import load_report
 from fuzz.strategies import OP_SLOTS, GenConfig, op_slots
 
-PROGRAMS = 300  # three rounds of 100, as a campaign runs them
+PROGRAMS = 500  # five rounds of 100, as a campaign runs them (the issue's measure)
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +40,13 @@ def test_generated_ops_are_spread_over_the_whole_catalog(unsteered: dict[str, An
     # main drew ops with Hypothesis's bias toward the first choice: in the
     # first 500 programs of seed 1, neg was 441 of 2048 op uses (14.9 x the mean)
     # Unsteered, each round's rotation op still gets Hypothesis's simplest
-    # programs (one op each, about a fifth of a round), hence 4 x here;
-    # steered (the default) it is the op that needs them: the steering test
-    # holds every op and at most 3 x the mean.
+    # programs (one op each, about a fifth of a round); steered (the
+    # default) it is the op that needs them: see the steering test.
     counts = unsteered["op_counts"]
-    assert len(counts) >= len(catalog.OPS) - 5, sorted(set(catalog.OPS) - set(counts))
+    assert len(counts) >= len(catalog.OPS) - 3, sorted(set(catalog.OPS) - set(counts))
     mean = sum(counts.values()) / len(catalog.OPS)
     top = max(counts, key=counts.get)
-    assert counts[top] <= 4 * mean, (top, counts[top], mean)
+    assert counts[top] <= 3 * mean, (top, counts[top], mean)
     assert counts["neg"] <= 2 * mean
 
 
@@ -135,15 +134,18 @@ def test_every_generated_feature_and_pair_is_in_the_domain(unsteered: dict[str, 
     assert "hook_kind=post_accumulate & hook_node=op" not in prs and "hook_kind=pre & hook_node=leaf" not in prs
 
 
-def test_steering_draws_the_neediest_ops_more(unsteered: dict[str, Any], steered: dict[str, Any]) -> None:
-    # mul_inplace (rare, and only drawn where a fresh value exists) is the
-    # least used op unsteered; steering weighs it up from the second round
+def test_steering_covers_every_op_and_listed_pair_in_500_programs(unsteered: dict[str, Any], steered: dict[str, Any]) -> None:
+    """The issue's measure: 500 programs of seed 1, default options: every
+    op used, none above 3 x the mean, every pair of fuzz.coverage.PAIRS seen;
+    unsteered, mul_inplace (rare, and only drawn where a fresh value
+    exists) is missed, and so are pairs."""
     off, on = unsteered["op_counts"], steered["op_counts"]
-    assert on.get("mul_inplace", 0) >= 2 * max(1, off.get("mul_inplace", 0)), (on.get("mul_inplace"), off.get("mul_inplace"))
-    missing = lambda got: sum(len(g["uncovered"]) for g in got["coverage"]["pair_groups"].values())
-    assert missing(steered) <= missing(unsteered)
     mean = sum(on.values()) / len(catalog.OPS)
-    assert set(on) == set(catalog.OPS) and max(on.values()) <= 3 * mean
+    assert set(on) == set(catalog.OPS) and max(on.values()) <= 3 * mean, (max(on, key=on.get), mean)
+    missing = lambda got: sorted(n for g in got["coverage"]["pair_groups"].values() for n in g["uncovered"])
+    assert missing(steered) == []
+    assert len(missing(unsteered)) > 0
+    assert on.get("mul_inplace", 0) >= 2 * max(1, off.get("mul_inplace", 0)), (on.get("mul_inplace"), off.get("mul_inplace"))
 
 
 def test_round_plans_depend_on_the_seed_and_round_only(tmp_path: Path) -> None:
