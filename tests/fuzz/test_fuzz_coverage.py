@@ -256,3 +256,18 @@ def test_a_round_generates_the_same_programs_whatever_the_process_imported() -> 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     fresh = subprocess.run([sys.executable, "-c", _ROUND_HASH], capture_output=True, text=True, env=env, check=True)
     assert fresh.stdout.strip() == hashlib.sha256("\n".join(here).encode()).hexdigest()
+
+
+def test_coverage_command_prints_and_writes_the_counts(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from fuzz.cli import main
+
+    path = tmp_path / "cov.json"
+    result = CliRunner().invoke(main, ["coverage", "--seed", "1", "--programs", "20", "--round-size", "10", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    got = json.loads(path.read_text())
+    uses = sum(got["op_counts"].values())
+    assert got["programs"] == 20
+    assert result.output.startswith(f"20 programs, {uses} op uses, {len(got['op_counts'])} of {len(catalog.OPS)} ops used")
+    assert "op x dtype: " in result.output
