@@ -57,9 +57,12 @@ def main() -> None:
 @click.option("--max-mutants", type=click.IntRange(min=1), help="Stop after this many mutants (resume the folder later).")
 @click.option("--equivalents", type=click.Path(dir_okay=False, path_type=Path),
               help="Reviewed equivalents file (default: harness/power/equivalents.toml).")
+@click.option("--mutant", "only", multiple=True, metavar="ID",
+              help="Run this mutant (module:line:operator:occurrence, as the report names it) instead of a sample "
+                   "(repeatable): e.g. a report's survivors again after a new test.")
 @click.option("--scratch", type=click.Path(file_okay=False, path_type=Path),
               help="Where the tree copy goes (default: the system's temporary folder).")
-def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeout_factor, max_mutants, equivalents, scratch):
+def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeout_factor, max_mutants, equivalents, only, scratch):
     """Sample mutants, run the killers on each in a copy of the tree, write OUT/report.{json,md}."""
     from harness.power import report as report_mod
     from harness.power.equivalents import EquivalentsError, load
@@ -71,6 +74,10 @@ def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeo
 
     try:
         load(equivalents)  # a malformed file fails before the run, not after it
+        from harness.power.mutants import MutantId
+
+        for text in only:
+            MutantId.parse(text)
         shard_kn = parse_shard(shard) if shard else (1, 1)
         from harness.power.kill import command
 
@@ -81,7 +88,7 @@ def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeo
     cfg = RunConfig(
         out=out, sample=None if all_mutants else sample, seed=seed, shard=shard_kn,
         targets=tuple(targets) or CORE_PACKAGES, killers=tuple(killers.split(",")), programs=programs,
-        timeout_factor=timeout_factor, max_mutants=max_mutants, scratch=scratch,
+        timeout_factor=timeout_factor, max_mutants=max_mutants, scratch=scratch, only=only,
     )  # fmt: skip
     try:
         run_session(cfg, log=lambda m: click.echo(m, err=True))

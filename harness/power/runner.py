@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.power import session, tree
-from harness.power.mutants import CORE_PACKAGES, enumerate_mutants, module_paths, sample, shard
+from harness.power import kill, session, tree
+from harness.power.mutants import CORE_PACKAGES, MutantId, enumerate_mutants, module_paths, sample, shard
 
 
 class BaselineError(Exception):
@@ -49,6 +49,7 @@ class RunConfig:
     timeout_factor: float = 5.0
     max_mutants: int | None = None  # stop after this many mutants in this invocation (resume later)
     scratch: Path | None = None
+    only: tuple[str, ...] = ()  # these mutant ids (their text form) instead of a sample
     #: what the copy holds and the package it must import from itself (other trees: the tool's own tests)
     copied: tuple[str, ...] = tree.COPIED
     package: str = "cagrad"
@@ -79,7 +80,8 @@ def prepare(cfg: RunConfig, root: Path, log: Callable[[str], None]) -> tuple[ses
     modules = module_paths(root, cfg.targets)
     params = session.Params(
         seed=cfg.seed, sample=cfg.sample, shard=cfg.shard, modules=modules, killers=list(cfg.killers),
-        programs=cfg.programs, digest=tree.digest(root, modules),
+        programs=cfg.programs, digest=tree.digest(root, modules), only=list(cfg.only) or None,
+        killer_argv=[["python", *kill.command(k, cfg.programs, "SCRATCH")[1:]] for k in cfg.killers],
     )  # fmt: skip
     cfg.out.mkdir(parents=True, exist_ok=True)
     meta = session.load_meta(cfg.out)
@@ -90,7 +92,14 @@ def prepare(cfg: RunConfig, root: Path, log: Callable[[str], None]) -> tuple[ses
         return meta, db
     skipped: dict[str, int] = {}
     items = enumerate_mutants(root, modules, skipped)
-    chosen = shard(sample(items, cfg.sample, cfg.seed), *cfg.shard)
+    if cfg.only:
+        chosen = [MutantId.parse(text) for text in cfg.only]
+        unknown = [str(i) for i in chosen if i not in items]
+        if unknown:
+            raise session.SessionError(f"no such mutant in {', '.join(modules)}: {', '.join(unknown)}")
+        chosen = shard(chosen, *cfg.shard)
+    else:
+        chosen = shard(sample(items, cfg.sample, cfg.seed), *cfg.shard)
     meta = session.Meta(
         params=params, total_mutants=len(items), annotation_mutants=skipped, ids=[str(i) for i in chosen]
     )

@@ -37,6 +37,8 @@ class Params:
     killers: list[str]
     programs: int
     digest: str
+    only: list[str] | None = None  # named mutants instead of a sample (--mutant)
+    killer_argv: list[list[str]] | None = None  # what each killer runs (a changed test subset is another run)
 
     def __post_init__(self) -> None:
         self.shard = tuple(self.shard)  # JSON gives a list

@@ -139,3 +139,21 @@ def test_cagrad_end_to_end(tmp_path):
     rep = report.build([tmp_path / "out"])
     assert rep["total"]["mutants"] == 3 and rep["total"]["pending"] == rep["total"]["incompetent"] == 0
     assert (tmp_path / "out" / "report.md").read_text().startswith("# Mutation report")
+
+
+def test_named_mutants_instead_of_a_sample(tmp_path, monkeypatch):
+    import cosmic_ray.mutating
+    from cosmic_ray.work_item import WorkResult, WorkerOutcome
+
+    root = _repo(tmp_path)
+    ran: list[str] = []
+    monkeypatch.setattr(
+        cosmic_ray.mutating, "mutate_and_test",
+        lambda mutations, command, timeout: ran.append(mutations[0].operator_name) or WorkResult(WorkerOutcome.NO_TEST),
+    )  # fmt: skip
+    monkeypatch.setattr(runner, "baseline", lambda *a, **k: 1.0)
+    wanted = ("pkg/mod.py:2:core/ReplaceComparisonOperator_Lt_Gt:0", "pkg/mod.py:4:core/ReplaceComparisonOperator_Gt_Lt:0")
+    runner.run(_cfg(root, tmp_path / "out", only=wanted), log=lambda m: None, root=root)
+    assert ran == ["core/ReplaceComparisonOperator_Lt_Gt", "core/ReplaceComparisonOperator_Gt_Lt"]
+    with pytest.raises(SessionError, match="no such mutant in pkg/__init__.py, pkg/mod.py: pkg/mod.py:9:core/AddNot:0"):
+        runner.run(_cfg(root, tmp_path / "out2", only=("pkg/mod.py:9:core/AddNot:0",)), log=lambda m: None, root=root)
