@@ -29,7 +29,10 @@ def _summary(report: dict) -> None:
     pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     for name, c in [*report["modules"].items(), ("total", report["total"])]:
         table.add_row(name, *(str(c[k]) for k in ("mutants", "killed", "timeout", "survived", "equivalent", "pending")), pct(c["score"]))
-    Console(stderr=True).print(table)
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console.width = max(console.width, 130)  # module paths whole in logs
+    console.print(table)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -93,6 +96,9 @@ def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeo
     try:
         run_session(cfg, log=lambda m: click.echo(m, err=True))
         rep = report_mod.build([out], equivalents)
+    except KeyboardInterrupt:
+        click.echo(f"harness.power: interrupted; run the same command again to resume {out}", err=True)
+        sys.exit(130)
     except ImportError as e:
         _fail(f"{e}: install the power extra (pip install -e .[power])")
     except (SessionError, BaselineError, FileNotFoundError, report_mod.ReportError) as e:

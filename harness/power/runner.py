@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +65,23 @@ def _cwd(path: Path):
         yield
     finally:
         os.chdir(old)
+
+
+def _stop_children() -> None:
+    """Kills the process group of each child of this process: cosmic-ray
+    starts the killers in a session of their own, which an interrupt of this
+    process does not reach (Linux; elsewhere a no-op)."""
+    try:
+        pids = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children").read_text().split()
+    except OSError:
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError):  # not a group leader, or gone
+            os.killpg(int(pid), signal.SIGKILL)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def kill_command(cfg: RunConfig, ext_seed: Path, scratch: Path) -> str:
@@ -153,6 +172,8 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print, root: Path | None = 
     from cosmic_ray.mutating import mutate_and_test
 
     root = root or tree.repo_root()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # cleaned up as after Ctrl-C
     meta, db = prepare(cfg, root, log)
     try:
         done = session.done_ids(db)
@@ -178,8 +199,12 @@ def run(cfg: RunConfig, log: Callable[[str], None] = print, root: Path | None = 
                 module = copy / item.mutations[0].module_path
                 original = module.read_bytes()
                 start = time.perf_counter()
-                with _cwd(copy):
-                    result = mutate_and_test(item.mutations, command, timeout)
+                try:
+                    with _cwd(copy):
+                        result = mutate_and_test(item.mutations, command, timeout)
+                except BaseException:  # an interrupt: the mutant's killers must not run on
+                    _stop_children()
+                    raise
                 seconds = time.perf_counter() - start
                 if module.read_bytes() != original:  # cosmic-ray restores it; make sure
                     module.write_bytes(original)

@@ -157,3 +157,55 @@ def test_named_mutants_instead_of_a_sample(tmp_path, monkeypatch):
     assert ran == ["core/ReplaceComparisonOperator_Lt_Gt", "core/ReplaceComparisonOperator_Gt_Lt"]
     with pytest.raises(SessionError, match="no such mutant in pkg/__init__.py, pkg/mod.py: pkg/mod.py:9:core/AddNot:0"):
         runner.run(_cfg(root, tmp_path / "out2", only=("pkg/mod.py:9:core/AddNot:0",)), log=lambda m: None, root=root)
+
+
+@pytest.mark.slow  # about 25 s on a loaded machine
+def test_an_interrupted_run_stops_the_mutants_killers_and_resumes(tmp_path):
+    """SIGTERM while a mutant's killer runs: the killer's process group is
+    killed (cosmic-ray started it in its own session), the copy removed, that
+    mutant left pending; the same command resumes."""
+    import os
+    import signal
+    import time
+
+    root = _repo(tmp_path)
+    marker = tmp_path / "killer.pid"
+    # the killer passes at once on the original, and on a mutant records its pid and hangs
+    (root / "test_mod.py").write_text(
+        "import os, pathlib, time\n\n\ndef test_mod():\n"
+        f"    if pathlib.Path('pkg/mod.py').read_text() != {MODULE!r}:\n"
+        f"        pathlib.Path({str(marker)!r}).write_text(str(os.getpid()))\n"
+        "        time.sleep(120)\n"
+    )
+    out = tmp_path / "out"
+    script = (
+        "import sys; from pathlib import Path; from harness.power import runner\n"
+        f"cfg = runner.RunConfig(out=Path({str(out)!r}), sample=2, targets=('pkg',), killers=('pytest:test_mod.py',),\n"
+        f"    copied=('pkg', 'test_mod.py'), package='pkg', scratch=Path({str(tmp_path)!r}), timeout_factor=1000)\n"
+        f"runner.run(cfg, log=print, root=Path({str(root)!r}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for _ in range(600):  # the first mutant's killer has started (bounded by polls, not time)
+        if marker.exists() and marker.read_text():
+            break
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the killer never started")
+    killer = int(marker.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    for _ in range(100):  # reaped by init once killed
+        try:
+            os.kill(killer, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the mutant's killer {killer} still runs")
+    assert not list(tmp_path.glob("cagrad-power-*"))
+    db = session.open_db(out)
+    assert session.done_ids(db) == set()  # the interrupted mutant has no result
+    db.close()
