@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,9 +87,13 @@ def _interrupt(signum, frame):
 
 def kill_command(cfg: RunConfig, ext_seed: Path, scratch: Path) -> str:
     """The test command cosmic-ray runs in the copy (a string: cosmic-ray
-    splits it with shlex): this package's own kill.py, never mutated."""
+    splits it with shlex): a snapshot of this package's kill.py in
+    ``scratch`` (never mutated; editing the checkout's during a run changes
+    nothing)."""
+    runner_path = scratch / "kill.py"
+    shutil.copy2(Path(__file__).with_name("kill.py"), runner_path)
     argv = [
-        sys.executable, str(Path(__file__).with_name("kill.py")), "--killers", ",".join(cfg.killers),
+        sys.executable, str(runner_path), "--killers", ",".join(cfg.killers),
         "--programs", str(cfg.programs), "--ext-seed", str(ext_seed), "--scratch", str(scratch),
     ]  # fmt: skip
     return shlex.join(argv)
