@@ -69,9 +69,15 @@ def load_rows(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, 
             rows[job_id] = {
                 "id": job_id, "module": ident.module, "line": ident.line, "operator": ident.operator,
                 "occurrence": ident.occurrence, "definition": spec.definition_name, "outcome": outcome,
-                "killer": killer, "seconds": times.get(job_id), "diff": (result.diff or "") if result else "",
+                "killer": killer, "seconds": times.get(job_id), "diff": _diff(result),
             }  # fmt: skip
     return [rows[k] for k in sorted(rows, key=MutantId.parse)], info
+
+
+def _diff(result) -> str:
+    """The unified diff of a mutant, without cosmic-ray's header line."""
+    text = (result.diff or "") if result is not None else ""
+    return text.removeprefix("--- mutation diff ---\n")
 
 
 def apply_equivalents(rows: Iterable[dict[str, Any]], equivalents: dict[MutantId, str]) -> list[str]:
