@@ -7,8 +7,8 @@ the first that exits non-zero kills the mutant and the rest are skipped.
 
 * ``tests``: a fast pytest subset (:data:`TEST_FILES`, ``-x``): semantics
   against eager autograd, graph tasks, formulas, cache-key soundness,
-  capture, size checks, leaf hooks (guarded hits of segmented graphs), the
-  C++ extension's self-tests; about 15 s on a loaded 2-core machine.
+  capture, size checks, leaf hooks (guarded hits of segmented graphs),
+  saved-tensor hooks, the C++ extension's self-tests; about 15 s on a loaded 2-core machine.
 * ``golden``: ``python -m golden_graphs check`` (FX graphs and cache keys of
   55 scenarios against the snapshot set of the installed torch).
 * ``fuzz``: ``python -m fuzz campaign`` bounded by ``--programs`` programs
@@ -43,10 +43,11 @@ TEST_FILES = (
     "tests/cagrad/test_key_soundness.py",
     "tests/cagrad/test_capture.py",
     "tests/cagrad/test_size_check.py",
-    # added after the first measured run (docs/mutation-testing.md): guarded
-    # hits of segmented graphs, and C++ functions switched off by a failing
-    # self-test, which no other killer reached
+    # added after measured runs (docs/mutation-testing.md): guarded hits of
+    # segmented graphs, saved-tensor hook scopes, and C++ functions switched
+    # off by a failing self-test, which no other killer reached
     "tests/cagrad/test_leaf_hooks.py",
+    "tests/cagrad/test_saved_tensor_hooks.py",
     "tests/cagrad/test_native.py::test_every_function_passes_its_self_test",
     "tests/cagrad/test_native.py::test_collects_self_test_rejects_a_runner_that_disagrees",
     "tests/cagrad/test_native.py::test_collects_self_test_rejects_a_runner_with_the_right_verdict_and_wrong_outputs",
