@@ -29,6 +29,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fuzz import ops as catalog
+from fuzz import training_gen
 from fuzz.ir import (
     DTYPES,
     HOOK_KINDS,
@@ -85,6 +86,11 @@ class GenConfig:
     # captures over the sequence are checked (harness.capture_rule).
     shapes: bool = True
     max_resizes: int = 3
+    # Optimizer steps and checkpoint regions, each in about one program in
+    # eight (fuzz.training_gen); the random and data-dependent-size ops are
+    # ops of the catalog (fuzz.ops_dynamic).
+    training: bool = True
+    checkpoint: bool = True
 
     def allowed_actions(self, kind: str) -> list[str]:
         actions = list(HOOK_KINDS[kind])
@@ -287,6 +293,7 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     )
     if cfg.prune:
         program = program.pruned()
+    program = training_gen.draw_features(draw, program, cfg.training, cfg.checkpoint)
     if cfg.shapes and cfg.max_resizes >= 1:
         program = _draw_resizes(draw, cfg, program)
     validate(program)
