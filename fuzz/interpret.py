@@ -65,7 +65,7 @@ def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
     values = run_forward(program, device)
     run = run_from_values(program, values, device, [])
     if program.train is not None:
-        run.driver = training_run.make_driver(program, device, values)
+        run.driver = training_run.make_driver(program, device, values, run_forward, run_from_values)
     return run
 
 

@@ -294,7 +294,9 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     if cfg.prune:
         program = program.pruned()
     program = training_gen.draw_features(draw, program, cfg.training, cfg.checkpoint)
-    if cfg.shapes and cfg.max_resizes >= 1:
+    # (a program that trains is no size sequence: the capture rule counts
+    # one backward per size, and later steps may capture anew by design)
+    if cfg.shapes and cfg.max_resizes >= 1 and program.train is None:
         program = _draw_resizes(draw, cfg, program)
     validate(program)
     return program

@@ -116,11 +116,12 @@ def rng_observations(at: str, device: Any) -> list[Any]:
     return out
 
 
-def make_driver(program: Any, device: Any, values: Mapping[str, torch.Tensor]) -> Any:
+def make_driver(program: Any, device: Any, values: Mapping[str, torch.Tensor], run_forward: Any, run_from_values: Any) -> Any:
     """The :attr:`harness.program.ProgramRun.driver` of a program with
     ``train``; ``values`` are step 1's (the build's). The parameters are
-    the leaves that require grad and are not ``train.fresh``."""
-    from fuzz.interpret import run_forward, run_from_values
+    the leaves that require grad and are not ``train.fresh``.
+    ``run_forward`` and ``run_from_values`` are :mod:`fuzz.interpret`'s
+    (a later step's forward, its hooks and roots)."""
     from harness.program import Observation, run_backward
 
     train = program.train

@@ -40,6 +40,9 @@ class Observation(NamedTuple):
     label: str
     value: Any
 
+    def __repr__(self) -> str:  # as the plain tuple a rendered program records
+        return repr(tuple(self))
+
 
 @dataclasses.dataclass
 class ProgramRun:
