@@ -5,7 +5,8 @@ generator, so every subject must leave the random stream as eager leaves
 it, and a checkpointed region replays the draws in the backward
 (:mod:`fuzz.features_training`):
 
-* ``dropout(x, p)``: ``torch.nn.functional.dropout(x, p, training=True)``;
+* ``dropout(x, p)``: ``torch.nn.functional.dropout(x, p, training=True)``
+  (with ``p=0`` torch returns ``x`` itself and draws nothing);
 * ``rand_mul(x)``: ``x * torch.rand_like(x)``;
 * ``bernoulli_mask(x, p)``: ``x * torch.bernoulli(torch.full_like(x, p))``.
 
@@ -147,6 +148,8 @@ register(
         code=lambda args, a: f"torch.nn.functional.dropout({args[0]}, {a['p']!r}, training=True)",
         attrs={"p": Attr("float", PROBABILITIES)},
         plan=_p_plan,
+        # p=0 (or no element) returns the input itself, drawing nothing
+        identity=lambda shapes, dtypes, a: a["p"] == 0.0 or 0 in shapes[0],
         rare=True,
         doc="dropout in training mode: draws a mask from the global generator",
     )
