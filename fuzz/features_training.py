@@ -356,13 +356,13 @@ def program_features(program: Any) -> set[str]:
 
 
 __all__ = [
-    "Checkpoint",
     "DYNAMIC_OPS",
     "FIELDS",
     "MAX_STEPS",
     "OPTIMIZERS",
     "POLICIES",
     "RANDOM_OPS",
+    "Checkpoint",
     "Training",
     "has_selective",
     "parse",

@@ -24,7 +24,14 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from fuzz.features_training import MAX_STEPS, OPTIMIZERS, POLICIES, Checkpoint, Training, has_selective
+from fuzz.features_training import (
+    MAX_STEPS,
+    OPTIMIZERS,
+    POLICIES,
+    Checkpoint,
+    Training,
+    has_selective,
+)
 
 LEARNING_RATES = (0.1, 0.01)
 

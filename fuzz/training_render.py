@@ -125,8 +125,10 @@ def step_loop(program: Any, step_body: Sequence[str]) -> list[str]:
         *(f"    trace.append(({at}{n} .grad', None if {n}.grad is None else {n}.grad.detach().clone()))" for n in names),
         f"    trace.append(({at}state cpu_rng', hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]))",
         "    if torch.device(device).type == 'cuda':",
-        f"        trace.append(({at}state cuda_rng', tuple(hashlib.sha256(s.cpu().numpy().tobytes()).hexdigest()[:16] "
-        "for s in torch.cuda.get_rng_state_all())))",
+        (
+            f"        trace.append(({at}state cuda_rng', tuple(hashlib.sha256(s.cpu().numpy().tobytes()).hexdigest()[:16] "
+            "for s in torch.cuda.get_rng_state_all())))"
+        ),
         "    optimizer.step()",
         *(f"    trace.append(({at}{n}', {n}.detach().clone()))" for n in params),
         ret,
