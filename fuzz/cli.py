@@ -112,6 +112,14 @@ def main() -> None:
     "the report lists every subject's captures per size variant.",
 )
 @click.option(
+    "--training/--no-training",
+    default=True,
+    show_default=True,
+    help="Make about one program in eight train (1-3 SGD or Adam steps, every loss, .grad and parameter "
+    "compared after each step) and about one in eight checkpoint a region of its ops (docs/fuzzing.md, "
+    "'Program features').",
+)
+@click.option(
     "--shrink-seconds",
     type=click.FloatRange(min=0),
     default=120.0,
@@ -188,6 +196,7 @@ def campaign(
     max_hooks: int,
     hook_actions: str | None,
     shapes: bool,
+    training: bool,
     shrink_seconds: float,
     round_size: int,
     max_programs: int | None,
@@ -228,6 +237,8 @@ def campaign(
             max_hooks=max_hooks,
             hook_actions=tuple(_split(hook_actions) or ()) if hook_actions else None,
             shapes=shapes,
+            training=training,
+            checkpoint=training,
         )
         programs(gen)  # checks the op names and hook actions
     except ValueError as e:

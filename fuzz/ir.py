@@ -62,6 +62,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fuzz import features_training
+
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
 
@@ -234,6 +236,9 @@ class Program:
     hooks: tuple[Hook, ...] = ()
     # size sequence steps: each a tuple of (old size, new size) pairs
     resizes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # optimizer steps and a checkpointed region (fuzz.features_training)
+    train: Any = None
+    checkpoint: Any = None
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -251,6 +256,7 @@ class Program:
             "repeat": self.repeat,
             "hooks": [hook.to_dict() for hook in self.hooks],
             **({"resizes": [[list(pair) for pair in step] for step in self.resizes]} if self.resizes else {}),
+            **features_training.to_dict(self),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -301,6 +307,7 @@ class Program:
             out.append("repeat:retain_graph")
         if self.resizes:
             out.append("shapes:sequence")
+        out += sorted(features_training.program_features(self))
         return out
 
     # ------------------------------------------------------ size sequences
@@ -357,7 +364,8 @@ class Program:
         sizes = {d for leaf in leaves for d in leaf.shape}
         steps = tuple(tuple(p for p in step if p[0] in sizes) for step in self.resizes)
         resizes = tuple(step for step in steps if step)
-        return dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks, resizes=resizes)
+        pruned = dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks, resizes=resizes)
+        return features_training.tidy(pruned)
 
     def without_invalid_hooks(self) -> Program:
         """Drops the hooks :func:`validate` would reject (after an edit that
@@ -387,7 +395,7 @@ _PROGRAM_FIELDS_V1 = {
     "schema", "name", "seed", "leaves", "ops", "roots", "loss", "mode",
     "inputs", "retain_graph", "repeat",
 }
-_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes"}}
+_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes", *features_training.FIELDS}}
 _REQUIRED_FIELDS = {"schema", "leaves", "ops", "roots"}
 _LEAF_FIELDS = {"name", "shape", "dtype", "requires_grad"}
 _OP_FIELDS = {"name", "op", "inputs", "attrs"}
@@ -482,6 +490,7 @@ def _parse_program(data: Any) -> Program:
         repeat=data.get("repeat", 1),
         seed=data.get("seed", 0),
         name=data.get("name", ""),
+        **features_training.parse(data, _expect),
     )
 
 
@@ -640,6 +649,7 @@ def validate(program: Program) -> dict[str, ValueInfo]:
         _expect(hook.name not in names, f"{where}.name", f"hook name {hook.name!r} is also a value's name")
         hook_names.add(hook.name)
         check_hook(hook, where, values, resolve)
+    features_training.validate(program, values, _expect)
     check_resizes(program)
     return values
 

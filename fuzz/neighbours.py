@@ -22,6 +22,11 @@ Kinds of change (:data:`CHANGE_KINDS`), each a single edit of the IR:
 * ``edge``: one op input replaced by another value of the same shape;
 * ``values``: the seed (new leaf values, same graph: a cache hit that must
   give the new values' gradients);
+* ``train``: one option of the training features changed (a step count,
+  the optimizer, ``foreach``, ``set_to_none``, the learning rate, a
+  checkpoint region's reentrancy, policy or extent:
+  :func:`fuzz.training_gen.neighbour_candidates`); a dropout ``p`` or a
+  threshold is an ``attr`` change;
 * ``alias``: which tensors are the same object, nothing else: a value that
   does not require grad and is used twice gets a twin leaf for one use
   (same shape and dtype), or one use of such a value is replaced by another
@@ -53,10 +58,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from fuzz import ops as catalog
+from fuzz import training_gen
 from fuzz.interpret import derived_seed, program_digest
 from fuzz.ir import DTYPES, Hook, IRError, Leaf, Program, ValueInfo, validate
 
-CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values")
+CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values", "train")
 
 # a lazily built candidate: (label, thunk returning the changed program)
 _Candidate = tuple[str, Callable[[], Program]]
@@ -92,7 +98,9 @@ def derive(program: Program, n: int) -> list[Neighbour]:
     pools: dict[str, list[_Candidate]] = {kind: list(_CANDIDATES[kind](base, infos)) for kind in CHANGE_KINDS}
     for pool in pools.values():
         rng.shuffle(pool)
-    rest = [k for k in CHANGE_KINDS if k not in ("attr", "alias")]
+    # (a kind with no candidate stays out of the shuffle: programs without
+    # training features keep the order they had before the kind existed)
+    rest = [k for k in CHANGE_KINDS if k not in ("attr", "alias") and (k != "train" or pools[k])]
     rng.shuffle(rest)
     order = ["attr", "alias", *rest]
     found: list[Neighbour] = []
@@ -318,6 +326,7 @@ _CANDIDATES: dict[str, Callable[[Program, Mapping[str, ValueInfo]], Iterator[_Ca
     "hook": _hook_candidates,
     "edge": _edge_candidates,
     "values": _values_candidates,
+    "train": training_gen.neighbour_candidates,
 }
 
 __all__ = ["CHANGE_KINDS", "Neighbour", "attr_alternatives", "derive", "neighbours"]

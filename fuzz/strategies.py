@@ -42,6 +42,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fuzz import ops as catalog
+from fuzz import training_gen
 from fuzz.ir import (
     DTYPES,
     HOOK_KINDS,
@@ -107,6 +108,11 @@ class GenConfig:
     # Shifts the op table (see the module docstring), 0 <= op_rotation <
     # OP_SLOTS: the simplest op choice is slot op_rotation.
     op_rotation: int = 0
+    # Optimizer steps and checkpoint regions, each in about one program in
+    # eight (fuzz.training_gen); the random and data-dependent-size ops are
+    # ops of the catalog (fuzz.ops_dynamic).
+    training: bool = True
+    checkpoint: bool = True
 
     def allowed_actions(self, kind: str) -> list[str]:
         actions = list(HOOK_KINDS[kind])
@@ -309,7 +315,10 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     )
     if cfg.prune:
         program = program.pruned()
-    if cfg.shapes and cfg.max_resizes >= 1:
+    program = training_gen.draw_features(draw, program, cfg.training, cfg.checkpoint)
+    # (a program that trains is no size sequence: the capture rule counts
+    # one backward per size, and later steps may capture anew by design)
+    if cfg.shapes and cfg.max_resizes >= 1 and program.train is None:
         program = _draw_resizes(draw, cfg, program)
     validate(program)
     return program
