@@ -78,6 +78,16 @@ def examples(n: int) -> int:
 settings.load_profile(profile_name())
 
 
+#: Wall-clock seconds after which a test stops waiting for a child process
+#: (a campaign, a reproducer, a rank). Only a hang guard: an hour, far above
+#: any run on a loaded machine (a 40-program campaign took over 900 s with the
+#: load average at 13 on 2 cores); no test bounds speed by it. Campaigns in
+#: tests also pass CAMPAIGN_TIMEOUTS, so that a program is timed out by the
+#: CPU it used, not by the wall clock a busy machine stretches.
+HANG_GUARD_S = 3600
+CAMPAIGN_TIMEOUTS = ("--timeout", str(HANG_GUARD_S), "--cpu-timeout", "120")
+
+
 @pytest.fixture
 def cuda_ready_for_torch_ca() -> None:
     """Initializes CUDA first where a GPU is present. torch's compiled

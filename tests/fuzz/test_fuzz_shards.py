@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from fuzz.campaign import parse_shard
 from fuzz.cli import main
+from tests.conftest import CAMPAIGN_TIMEOUTS, HANG_GUARD_S
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -22,13 +23,13 @@ SMALL = ["--ops", "mul,sin,add,exp,sum", "--no-hooks", "--no-shapes", "--max-ops
 def _campaign(out: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--seed", "4", "--out", str(out),
-         "--no-progress", "--workers", "1", *args],
+         "--no-progress", "--workers", "1", *CAMPAIGN_TIMEOUTS, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
 
 
 def _wait(p: subprocess.Popen) -> tuple[int, str]:
-    text, _ = p.communicate(timeout=900)
+    text, _ = p.communicate(timeout=HANG_GUARD_S)
     return p.returncode, text
 
 
@@ -85,13 +86,13 @@ def test_the_default_nightly_exits_0_with_the_shipped_known_file(tmp_path: Path)
     known-issues file): torch_ca's known divergences are counted and the exit
     status is 0; without the file they are failures (exit 1); a planted
     cagrad-like fault beside them still fails the run (exit 1)."""
-    base = ["--seed", "1", "--budget", "3600", "--max-programs", "40", "--shrink-seconds", "5"]
+    base = ["--seed", "1", "--budget", "3600", "--max-programs", "40", "--shrink-seconds", "5", *CAMPAIGN_TIMEOUTS]
 
     def run(out: str, *args: str) -> tuple[int, dict]:
         proc = subprocess.run(
             [sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--out", str(tmp_path / out),
              "--no-progress", "--workers", "1", *base, *args],
-            capture_output=True, text=True, cwd=ROOT, timeout=900,
+            capture_output=True, text=True, cwd=ROOT, timeout=HANG_GUARD_S,
         )  # fmt: skip
         return proc.returncode, json.loads((tmp_path / out / "report.json").read_text())
 
