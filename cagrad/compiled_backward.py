@@ -138,8 +138,15 @@ def collect_backward(
         what = f"gradient {i} of the roots"
         start = write_tensor(w, g, what, collector.sizes)
         collector.args.add(g.detach() if g.requires_grad and not create_graph else g, None, start)
-    for i, (fn, input_nr) in enumerate(task.root_edges):
-        collector.write_metadata(w, task.call_of[fn], input_nr, f"root edge {i}")
+    for i, (fn, root_nr) in enumerate(task.root_edges):
+        root = task.call_of[fn]
+        # which node and which of its inputs (the root's output_nr) the root
+        # gradient flows into: a root at another output of the same node
+        # (aminmax's max after its min) walks the same nodes with the same
+        # metadata and differs only here
+        w.size(root.id)
+        w.size(root_nr)
+        collector.write_metadata(w, root, root_nr, f"root edge {i}")
     w.size(len(task.output_edges))
     for fn, input_nr in task.output_edges:
         call = task.call_of.get(fn) if fn is not None else None

@@ -62,6 +62,8 @@ _LABELS: dict[tuple[str, str], str] = {
     ("collect_backward", 'b"c"'): "create_graph",
     ("collect_backward", 'b"A" if accumulate_grad else b"G"'): "accumulate_grad (A) or grad (G)",
     ("collect_backward", "len(grad_tensors)"): "root gradients",
+    ("collect_backward", "root.id"): "root edge {i}: node id",
+    ("collect_backward", "root_nr"): "root edge {i}: input_nr",
     ("collect_backward", "len(task.output_edges)"): "autograd.grad inputs",
     ("collect_backward", 'b"N"'): "input: no node",
     ("collect_backward", "call.id"): "input: node id",
