@@ -151,7 +151,9 @@ def _prod_backward(grad: torch.Tensor, x: torch.Tensor, result: torch.Tensor, sa
     # where a zero makes the quotient unused, its input is masked so that a
     # second backward through the unused quotient gives 0, not 0 * inf
     quotient = grad * (result / torch.where(is_zero, torch.ones_like(x), x)).conj()
-    return torch.where(is_zero.any(), safe, quotient)
+    # the quotient first: where there is no zero the result takes its layout,
+    # as eager's does
+    return torch.where(is_zero.any().logical_not(), quotient, safe)
 
 
 def runs_as_is(node: Any, name: str) -> bool:
@@ -163,6 +165,10 @@ def runs_as_is(node: Any, name: str) -> bool:
     input`` (differentiable), with one it is ``grad`` itself (no graph of its
     own when ``grad`` has none), so whether the gradient requires grad depends
     on the data.
+
+    (A non-contiguous saved input also runs the node itself, with or without
+    ``create_graph``: eager's quotient takes the input's layout, its zero-safe
+    path a contiguous one; see ``Collector._traceable``.)
 
     CumprodBackward0: on a fake input the C++ node takes a path whose second
     derivative is NaN where the input holds zeros (eager's, chosen by the

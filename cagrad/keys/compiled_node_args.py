@@ -305,6 +305,12 @@ class Collector:
                 for i in range(len(getattr(node, "_raw_saved_" + attr))):
                     if not saved_variables.claim((node, attr, i)):
                         return False
+        if schema.name in formulas.ALWAYS:
+            # eager's two prod paths lay out a non-contiguous input's
+            # gradient differently, chosen by the data: run the node itself
+            x = saved_variables.read(call.node, "self")
+            if x is not None and not x.is_contiguous():
+                return False
         return True
 
     def _claim_custom(self, node: Any) -> bool:

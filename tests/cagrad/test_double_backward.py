@@ -198,3 +198,24 @@ def test_reduction_gradgradcheck_under_cagrad(name):
     with cagrad.enable("eager"):
         assert torch.autograd.gradgradcheck(op, (x,))
     compiled_without_fallback()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dim", [None, 1])
+@pytest.mark.parametrize("zero", [False, True])
+def test_prod_gradient_of_a_permuted_input_has_eager_strides(zero, dim, backend):
+    # eager: the quotient takes the input's layout, the zero-safe path a
+    # contiguous one (chosen by the data)
+    def build():
+        x = torch.randn(2, 4, 4, requires_grad=True)
+        y = x.exp().permute(0, 2, 1)
+        if zero:
+            y = y * (torch.arange(32).view(2, 4, 4) != 5)
+        out = y.prod() if dim is None else y.prod(dim).sum()
+        (g,) = torch.autograd.grad(out, [y])
+        return g
+
+    expected, actual = run_both(build, backend)
+    same(expected, actual)
+    assert expected.stride() == actual.stride()
+    compiled_without_fallback()
