@@ -120,6 +120,102 @@ def _expand(node, grads, sym, md):
     return [sum_to(grads[0], sym("self_sym_sizes"))]
 
 
+# -- prod: traced always, symbolic or not --------------------------------------
+# On real tensors the C++ ProdBackward nodes pick a formula from the data
+# (no zero in the input: grad * result / input; otherwise a division-free
+# product of the other elements), but on a fake or other subclass-like input
+# they always take the division-free one, which for a reduced size of 1 is the
+# incoming gradient itself: a create_graph backward then returned a gradient
+# with no graph (eager's has one) and different second-order gradients. The
+# formulas below compute both and select by the data, so the traced graph
+# does what eager does for every input.
+ALWAYS: set[str] = {"ProdBackward0", "ProdBackward1"}
+
+
+def _others_product(grad: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``grad`` times the product of the other elements along ``dim`` (keepdim
+    layout), without dividing: exclusive products from both ends."""
+    if x.numel() == 0:
+        return grad.expand_as(x)
+    n = x.shape[dim]
+    if n == 1:
+        return grad
+    one = torch.ones_like(x.narrow(dim, 0, 1))
+    before = torch.cat([one, x.narrow(dim, 0, n - 1)], dim).cumprod(dim)
+    after = torch.cat([one, x.narrow(dim, 1, n - 1).flip(dim)], dim).cumprod(dim).flip(dim)
+    return grad * (before * after).conj()
+
+
+def _prod_backward(grad: torch.Tensor, x: torch.Tensor, result: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
+    is_zero = x == 0
+    # where a zero makes the quotient unused, its input is masked so that a
+    # second backward through the unused quotient gives 0, not 0 * inf
+    quotient = grad * (result / torch.where(is_zero, torch.ones_like(x), x)).conj()
+    # the quotient first: where there is no zero the result takes its layout,
+    # as eager's does
+    return torch.where(is_zero.any().logical_not(), quotient, safe)
+
+
+def runs_as_is(node: Any, name: str) -> bool:
+    """Whether a node of ``name`` must run as it is (opaque) in a
+    ``create_graph`` backward, because no traced graph can do what eager does.
+
+    ProdBackward0/1 whose reduced extent is 1 (one element, or a ``dim`` of
+    size 1): without a zero in the input eager's gradient is ``grad * result /
+    input`` (differentiable), with one it is ``grad`` itself (no graph of its
+    own when ``grad`` has none), so whether the gradient requires grad depends
+    on the data.
+
+    (A non-contiguous saved input also runs the node itself, with or without
+    ``create_graph``: eager's quotient takes the input's layout, its zero-safe
+    path a contiguous one; see ``Collector._traceable``.)
+
+    CumprodBackward0: on a fake input the C++ node takes a path whose second
+    derivative is NaN where the input holds zeros (eager's, chosen by the
+    data, is finite), so under ``create_graph`` it runs on the real tensors.
+    """
+    if name == "CumprodBackward0":
+        return True
+    if name not in ALWAYS:
+        return False
+    fn, nr = node.next_functions[0]
+    if fn is None:
+        return False
+    shape = list(fn._input_metadata[nr].shape)
+    if not shape:
+        return False  # 0-dim: eager returns grad for any data
+    if name == "ProdBackward0":
+        n = 1
+        for s in shape:
+            n *= s
+        return n == 1
+    return shape[_wrap(node._saved_dim, len(shape))] == 1
+
+
+@formula("ProdBackward0")
+def _prod0(node, grads, sym, md):
+    x = node._saved_self
+    grad = grads[0]
+    if x.dim() == 0:
+        return [grad]
+    safe = _others_product(grad, x.contiguous().view(-1), 0).view_as(x)
+    return [_prod_backward(grad, x, node._saved_result, safe)]
+
+
+@formula("ProdBackward1")
+def _prod1(node, grads, sym, md):
+    x = node._saved_self
+    grad = grads[0]
+    if x.dim() == 0:
+        return [grad]
+    dim = _wrap(node._saved_dim, x.dim())
+    result = node._saved_result
+    if not node._saved_keepdim:
+        grad = grad.unsqueeze(dim)
+        result = result.unsqueeze(dim)
+    return [_prod_backward(grad, x, result, _others_product(grad, x, dim))]
+
+
 # -- views ----------------------------------------------------------------------
 @formula("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 def _reshape(node, grads, sym, md):

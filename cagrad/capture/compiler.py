@@ -516,7 +516,7 @@ class AutogradCompilerInstance:
         name = call.name
         marker = self._last_node()
         try:
-            if self.symbolic and name in formulas.FORMULAS:
+            if name in formulas.FORMULAS and (self.symbolic or name in formulas.ALWAYS):
                 out = formulas.apply(
                     name,
                     call.node,

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .. import internals
-from ..autograd import custom_function, saved_variables, transforms
+from ..autograd import custom_function, formulas, run_context, saved_variables, transforms
 from ..autograd.formulas import FORMULAS
 from ..autograd.graph_task import GraphTask, NodeCall
 from ..autograd.node_schema import NodeKind, NodeSchema
@@ -286,6 +286,8 @@ class Collector:
         return NodePlan(Kind.OPAQUE, node=self.obj(node))
 
     def _traceable(self, call: NodeCall, schema: NodeSchema) -> bool:
+        if run_context.create_graph() and formulas.runs_as_is(call.node, schema.name):
+            return False
         if schema.split_sizes:
             # hidden per-input sizes are determined when at most one input has
             # no valid edge (see cagrad.autograd.node_schema, policy split_sizes), and
@@ -303,6 +305,12 @@ class Collector:
                 for i in range(len(getattr(node, "_raw_saved_" + attr))):
                     if not saved_variables.claim((node, attr, i)):
                         return False
+        if schema.name in formulas.ALWAYS:
+            # eager's two prod paths lay out a non-contiguous input's
+            # gradient differently, chosen by the data: run the node itself
+            x = saved_variables.read(call.node, "self")
+            if x is not None and not x.is_contiguous():
+                return False
         return True
 
     def _claim_custom(self, node: Any) -> bool:

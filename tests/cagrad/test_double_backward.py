@@ -130,3 +130,92 @@ def test_once_differentiable_still_refuses_a_second_backward():
             errors.append(str(e))
     assert len(errors) == 2 and errors[0] == errors[1]
     assert "once_differentiable" in errors[0]
+
+
+# -- reductions whose backward branches on the data or on a size of 1 ----------
+# torch's ProdBackward picks its formula from the input (a zero or not) and,
+# on a fake input, always takes the zero-safe one: for one element (or a dim
+# of size 1) that one is the incoming gradient itself, so a traced
+# create_graph backward returned a gradient with no graph where eager's had
+# one. CumprodBackward0 traced on fakes gave NaN second derivatives at zeros.
+REDUCTIONS = {
+    "prod_one": (lambda x: x.prod(), [0.7]),
+    "prod_one_negative": (lambda x: x.prod(), [-1.3]),
+    "prod_one_zero": (lambda x: x.prod(), [0.0]),
+    "prod_several": (lambda x: x.prod(), [0.7, -0.3, 1.5]),
+    "prod_a_zero": (lambda x: x.prod(), [0.7, 0.0, 1.5]),
+    "prod_two_zeros": (lambda x: x.prod(), [0.0, 0.3, 0.0]),
+    "prod_0dim": (lambda x: x.sum().prod(), [0.7, 2.0]),
+    "prod_dim_of_one": (lambda x: x.view(3, 1).prod(1), [0.7, -0.3, 1.5]),
+    "prod_dim_of_one_zero": (lambda x: x.view(3, 1).prod(1, keepdim=True), [0.7, 0.0, 1.5]),
+    "prod_dim": (lambda x: x.view(2, 3).prod(1), [0.7, -0.3, 1.5, 2.0, 0.5, 1.1]),
+    "prod_dim_zero": (lambda x: x.view(2, 3).prod(0, keepdim=True), [0.7, 0.0, 1.5, 0.0, 0.5, 1.1]),
+    "cumprod_one": (lambda x: x.cumprod(0), [0.7]),
+    "cumprod_zeros": (lambda x: x.cumprod(0), [0.7, 0.0, 1.5, 0.0]),
+    "sum_one": (lambda x: x.sum(), [0.7]),
+    "mean_one": (lambda x: x.mean(), [0.7]),
+    "amax_one": (lambda x: x.amax(), [0.7]),
+    "norm_one": (lambda x: x.norm(), [0.7]),
+}
+
+
+def _reduction_program(name: str, dtype: torch.dtype):
+    op, data = REDUCTIONS[name]
+
+    def build():
+        x = torch.tensor(data, dtype=dtype, requires_grad=True)
+        y = op(x)
+        v = torch.arange(1.0, y.numel() + 1, dtype=dtype).view_as(y)
+        (g,) = torch.autograd.grad(y, x, v, create_graph=True)
+        second = None
+        if g.requires_grad:
+            w = torch.arange(2.0, g.numel() + 2, dtype=dtype).view_as(g)
+            (second,) = torch.autograd.grad(g, x, w, retain_graph=True, allow_unused=True)
+        # a larger program: the first-order gradient in a loss, into .grad
+        loss = op(x).sum() * 2
+        if g.requires_grad:
+            loss = loss + g.pow(2).sum()
+        loss.backward()
+        return [g.detach(), torch.tensor(g.requires_grad), second, x.grad]
+
+    return build
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_reduction_create_graph_equals_eager(name, backend, dtype):
+    expected, actual = run_both(_reduction_program(name, dtype), backend)
+    for e, a in zip(expected, actual):
+        same(e, a)
+    compiled_without_fallback()
+
+
+@pytest.mark.parametrize("name", ["prod_one", "prod_several", "prod_a_zero", "prod_dim_of_one", "prod_dim_zero", "cumprod_zeros"])
+def test_reduction_gradgradcheck_under_cagrad(name):
+    op, data = REDUCTIONS[name]
+    x = torch.tensor(data, dtype=torch.float64, requires_grad=True)
+    with cagrad.enable("eager"):
+        assert torch.autograd.gradgradcheck(op, (x,))
+    compiled_without_fallback()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dim", [None, 1])
+@pytest.mark.parametrize("zero", [False, True])
+def test_prod_gradient_of_a_permuted_input_has_eager_strides(zero, dim, backend):
+    # eager: the quotient takes the input's layout, the zero-safe path a
+    # contiguous one (chosen by the data)
+    def build():
+        x = torch.randn(2, 4, 4, requires_grad=True)
+        y = x.exp().permute(0, 2, 1)
+        if zero:
+            y = y * (torch.arange(32).view(2, 4, 4) != 5)
+        out = y.prod() if dim is None else y.prod(dim).sum()
+        (g,) = torch.autograd.grad(out, [y])
+        return g
+
+    expected, actual = run_both(build, backend)
+    same(expected, actual)
+    assert expected.stride() == actual.stride()
+    compiled_without_fallback()

@@ -24,6 +24,10 @@ def _examples():
     b = torch.randn(3, requires_grad=True)
     e = torch.randn(10, 4, requires_grad=True)
     xt = torch.randn(6, 5).t().requires_grad_()  # column-major
+    one_zero = torch.ones(5, 6)
+    one_zero[2, 3] = 0
+    two_zeros = one_zero.clone()
+    two_zeros[2, 5] = 0
     return [
         x.sum(),
         x.sum(1).exp().sum(),
@@ -61,6 +65,19 @@ def _examples():
         (x.view(1, 5, 6, 1) * 1).squeeze_().sum(),
         (x.view(1, 5, 6, 1) * 1).squeeze_(0).sum(),
         (x.view(1, 5, 6, 1) * 1).squeeze_((0, 3)).sum(),
+        x.prod(),
+        x.prod(1).sum(),
+        x.prod(-2, keepdim=True).sum(),
+        x[:1, :1].prod(),
+        x[:, :1].prod(1).sum(),
+        x[:1].prod(0).sum(),
+        (x * one_zero).prod(),
+        (x * two_zeros).prod(),
+        (x * one_zero).prod(1).sum(),  # one row with a zero
+        (x * two_zeros).prod(1, keepdim=True).sum(),  # one row with two
+        (x * two_zeros).prod(0).sum(),
+        (x[0, 0] * 1).prod(),  # 0-dim
+        (x[0, 0] * 1).prod(0),
     ]
 
 
