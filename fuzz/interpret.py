@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fuzz import features_graph
 from fuzz import ops as catalog
 from fuzz.hooks import register_hooks
 from fuzz.ir import Leaf, Program
@@ -42,11 +43,19 @@ def make_leaf(leaf: Leaf, seed: int, device: Any) -> torch.Tensor:
     return t.requires_grad_(leaf.requires_grad)
 
 
+def second_values(program: Program, name: str, device: Any) -> torch.Tensor:
+    """The second inner tensor of subclass leaf ``name`` (seeded from
+    ``"<name>/b"``; :mod:`fuzz.features_graph`)."""
+    leaf = next(leaf for leaf in program.leaves if leaf.name == name)
+    return seeded_uniform(program.seed, f"{name}/b", leaf.shape, catalog.TORCH_DTYPES[leaf.dtype], device)
+
+
 def run_forward(program: Program, device: Any = "cpu") -> dict[str, torch.Tensor]:
     """Every value of the program by reference (``"v3"``, ``"v4:1"``)."""
     values: dict[str, torch.Tensor] = {}
     for leaf in program.leaves:
         values[leaf.name] = make_leaf(leaf, program.seed, device)
+    features_graph.wrap_subclass_leaves(program, values, lambda name: second_values(program, name, device))
     for op in program.ops:
         spec = catalog.get(op.op)
         out = spec.run([values[ref] for ref in op.inputs], op.attrs)
@@ -85,6 +94,8 @@ def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
         retain_graph=program.retain_graph,
         repeat=program.repeat,
         trace=trace,
+        # torch.func terms and a double backward run in the subject's context
+        before_backward=features_graph.stage(program, values, trace),
     )
 
 

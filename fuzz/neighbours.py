@@ -22,6 +22,10 @@ Kinds of change (:data:`CHANGE_KINDS`), each a single edit of the IR:
 * ``edge``: one op input replaced by another value of the same shape;
 * ``values``: the seed (new leaf values, same graph: a cache hit that must
   give the new values' gradients);
+* ``graph``: a graph feature (:mod:`fuzz.features_graph`): a ``torch.func``
+  term's transform or function, the double backward's penalty, a subclass
+  leaf made plain, or a root moved to another output of its op (the key
+  must see which output a root is);
 * ``alias``: which tensors are the same object, nothing else: a value that
   does not require grad and is used twice gets a twin leaf for one use
   (same shape and dtype), or one use of such a value is replaced by another
@@ -52,11 +56,12 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from fuzz import features_graph
 from fuzz import ops as catalog
 from fuzz.interpret import derived_seed, program_digest
 from fuzz.ir import DTYPES, Hook, IRError, Leaf, Program, ValueInfo, validate
 
-CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values")
+CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values", "graph")
 
 # a lazily built candidate: (label, thunk returning the changed program)
 _Candidate = tuple[str, Callable[[], Program]]
@@ -318,6 +323,7 @@ _CANDIDATES: dict[str, Callable[[Program, Mapping[str, ValueInfo]], Iterator[_Ca
     "hook": _hook_candidates,
     "edge": _edge_candidates,
     "values": _values_candidates,
+    "graph": features_graph.neighbour_candidates,
 }
 
 __all__ = ["CHANGE_KINDS", "Neighbour", "attr_alternatives", "derive", "neighbours"]

@@ -25,7 +25,9 @@ their own: :mod:`fuzz.ops_custom` (custom ``autograd.Function`` s from
 :mod:`fuzz.functions`, category ``custom``) and :mod:`fuzz.ops_inplace`
 (in-place ops on views of a fresh copy, category ``inplace_view``, and the
 rare ``mul_inplace`` that writes into an earlier value, category
-``inplace``). Hooks are not ops: they are a program-level list (see
+``inplace``); :mod:`fuzz.ops_graph` adds multi-output and
+``(values, indices)`` ops and ``fn_inner_grad`` for the graph features
+(:mod:`fuzz.ir_graph`). Hooks are not ops: they are a program-level list (see
 :mod:`fuzz.ir`).
 """
 
@@ -67,4 +69,5 @@ from fuzz import ops_math as _ops_math  # noqa: F401
 from fuzz import ops_shape as _ops_shape  # noqa: F401
 from fuzz import ops_custom as _ops_custom  # noqa: F401
 from fuzz import ops_inplace as _ops_inplace  # noqa: F401
+from fuzz import ops_graph as _ops_graph  # noqa: F401
 # isort: on

@@ -28,6 +28,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fuzz import features_graph
 from fuzz import ops as catalog
 from fuzz.ir import (
     DTYPES,
@@ -85,6 +86,11 @@ class GenConfig:
     # captures over the sequence are checked (harness.capture_rule).
     shapes: bool = True
     max_resizes: int = 3
+    # Graph features (fuzz.ir_graph): torch.func terms, double backward,
+    # TwoTensor leaves, roots at outputs >= 1 (each rare; see
+    # features_graph.draw_graph_features). The inner_grad hook action and
+    # the ops of fuzz.ops_graph are drawn as hooks and ops.
+    graph_features: bool = True
 
     def allowed_actions(self, kind: str) -> list[str]:
         actions = list(HOOK_KINDS[kind])
@@ -285,9 +291,11 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
         seed=seed,
         hooks=tuple(hooks),
     )
+    if cfg.graph_features:
+        program = features_graph.draw_graph_features(draw, program, b.pool)
     if cfg.prune:
         program = program.pruned()
-    if cfg.shapes and cfg.max_resizes >= 1:
+    if cfg.shapes and cfg.max_resizes >= 1 and not features_graph.stage_features(program):
         program = _draw_resizes(draw, cfg, program)
     validate(program)
     return program
