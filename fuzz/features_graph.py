@@ -213,7 +213,11 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
             roots: tuple[str, ...] = (draw(st.sampled_from(ones)),)
         else:
             roots = tuple(draw(st.lists(st.sampled_from(nonzero), min_size=1, max_size=3, unique=True)))
-        program = _try(program, roots=roots, inputs=None if program.mode == "backward" else program.inputs)
+        # loss "separate": the roots themselves start the backward (under
+        # "sum" a SumBackward0 would be the root and output k a mere edge)
+        program = _try(
+            program, roots=roots, loss="separate", inputs=None if program.mode == "backward" else program.inputs
+        )
     if values and _rare(draw, 10):
         info = values[-1 - draw(st.integers(0, len(values) - 1))]
         transform = TRANSFORMS[draw(st.integers(0, len(TRANSFORMS) - 1))]

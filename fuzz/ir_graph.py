@@ -270,7 +270,8 @@ def program_features(program: Any) -> set[str]:
     """The graph features ``program`` uses, named for coverage tables:
     ``graph:func.<transform>``, ``graph:subclass.two_tensor``,
     ``graph:double_backward.<penalty>``, ``graph:inner_grad.hook``,
-    ``graph:inner_grad.function``, ``graph:root.output_nonzero`` (a root at
+    ``graph:inner_grad.function``, and with loss ``"separate"`` (the roots
+    start the backward themselves) ``graph:root.output_nonzero`` (a root at
     output >= 1 of a multi-output op), ``graph:root.single_output1`` (the
     only root is output 1), ``graph:root.nondiff_sibling`` (a root whose
     node has a non-differentiable output: ``topk``, ``max_dim``)."""
@@ -284,13 +285,13 @@ def program_features(program: Any) -> set[str]:
     kinds = {op.name: op.op for op in program.ops}
     if "fn_inner_grad" in kinds.values():
         out.add("graph:inner_grad.function")
-    nonzero = [r for r in program.roots if ":" in r and int(r.split(":", 1)[1]) >= 1]
-    if nonzero:
-        out.add("graph:root.output_nonzero")
-    if len(program.roots) == 1 and program.roots[0].endswith(":1"):
-        out.add("graph:root.single_output1")
-    if any(kinds.get(r) in NONDIFF_SIBLING_OPS for r in program.roots):
-        out.add("graph:root.nondiff_sibling")
+    if program.loss == "separate":  # under "sum" a SumBackward0 is the root
+        if any(":" in r and int(r.split(":", 1)[1]) >= 1 for r in program.roots):
+            out.add("graph:root.output_nonzero")
+        if len(program.roots) == 1 and program.roots[0].endswith(":1"):
+            out.add("graph:root.single_output1")
+        if any(kinds.get(r) in NONDIFF_SIBLING_OPS for r in program.roots):
+            out.add("graph:root.nondiff_sibling")
     return out
 
 
