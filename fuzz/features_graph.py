@@ -201,8 +201,9 @@ def _multi_index(ref: str) -> int:
 def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) -> Program:
     """``program`` (unpruned, valid) with graph features drawn in: roots at
     outputs >= 1 of multi-output ops (about 1 in 6 programs that have one),
-    a ``torch.func`` term (1 in 10), a double backward (1 in 10) and a
-    ``TwoTensor`` leaf (1 in 8 of the programs whose ops all take one).
+    a ``torch.func`` term (1 in 12), a double backward (1 in 12) and a
+    ``TwoTensor`` leaf (1 in 20 of the programs whose ops all take one:
+    cagrad runs those in eager, so they exercise little of it).
     Each shrinks to off; a drawn feature that does not validate is left
     out."""
     values = [v for v in pool if v.requires_grad]
@@ -218,19 +219,19 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
         program = _try(
             program, roots=roots, loss="separate", inputs=None if program.mode == "backward" else program.inputs
         )
-    if values and _rare(draw, 10):
+    if values and _rare(draw, 12):
         info = values[-1 - draw(st.integers(0, len(values) - 1))]
         transform = TRANSFORMS[draw(st.integers(0, len(TRANSFORMS) - 1))]
         term = FuncTerm("f0", transform, draw(st.sampled_from(FUNC_FNS)), info.ref)
         program = _try(program, func_terms=(term,))
         if not program.func_terms:
             program = _try(program, func_terms=(dataclasses.replace(term, transform="grad"),))
-    if values and _rare(draw, 10):
+    if values and _rare(draw, 12):
         refs = tuple(draw(st.lists(st.sampled_from([v.ref for v in values]), min_size=1, max_size=2, unique=True)))
         program = _try(program, double_backward=DoubleBackward(refs, draw(st.sampled_from(PENALTIES))))
     if program.double_backward is None and two_tensor_class()[0] is not None:
         eligible = [leaf.name for leaf in program.leaves if _subclass_ok(program, leaf.name)]
-        if eligible and _rare(draw, 8):
+        if eligible and _rare(draw, 20):
             program = _try(program, subclass_leaves=(draw(st.sampled_from(eligible)),))
     return program
 

@@ -184,7 +184,8 @@ def test_view_heavy_programs_build_under_eager_and_the_model_knows_every_alias()
     seen = {"programs": 0, "multi-output views": 0}
 
     @settings(max_examples=examples(300))
-    @given(programs(ops=VIEW_HEAVY, max_ops=10))
+    # (no graph features: a TwoTensor leaf has no storage to compare)
+    @given(programs(ops=VIEW_HEAVY, max_ops=10, graph_features=False))
     def check(program: Program) -> None:
         seen["programs"] += 1
         for variant in [v.program.program for v in IRProgram(program).size_variants()]:
