@@ -344,3 +344,15 @@ def test_subclass_grads_compare_by_class_and_inner_tensors() -> None:
     assert m is not None and m.where == "g.b"
     m = compare_tensor(TWO_TENSOR(a, b), a.clone(), "g", tol)
     assert m is not None and "class differs" in m.detail
+
+
+def test_double_backward_gradient_matches_an_independent_formula() -> None:
+    # loss (x * x).sum(), g = 2x, penalty (g * g).sum() = 4 x^2: grad 2x + 8x
+    program = Program(
+        (Leaf("x0", (3,), "float64"),),
+        (Op("v0", "mul", ("x0", "x0")),),
+        ("v0",),
+        double_backward=DoubleBackward(("x0",), "square"),
+    )
+    (grad,) = eager_grads(program)
+    torch.testing.assert_close(grad, 10 * features_graph_leaf(program))
