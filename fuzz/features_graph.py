@@ -236,6 +236,18 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
     return program
 
 
+def draw_hook_action(draw: Any, actions: Sequence[str]) -> str:
+    """A hook action from ``actions``, each as likely as the others but
+    ``inner_grad``, which replaces ``observe`` 1 time in 4 (so that adding
+    it left the other actions about as frequent as before); shrinks to
+    the first action."""
+    common = [a for a in actions if a != "inner_grad"] or list(actions)
+    action = draw(st.sampled_from(common))
+    if action == "observe" and "inner_grad" in actions and _rare(draw, 4):
+        return "inner_grad"
+    return action
+
+
 def _subclass_ok(program: Program, leaf: str) -> bool:
     tainted = subclass_values(dataclasses.replace(program, subclass_leaves=(leaf,)))
     if any(base_name(t.input) in tainted for t in program.func_terms):

@@ -382,7 +382,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
             if b.tensor_of(target.ref) in retained:
                 continue
             retained.add(b.tensor_of(target.ref))
-        action = draw(st.sampled_from(cfg.allowed_actions(kind)))
+        action = features_graph.draw_hook_action(draw, cfg.allowed_actions(kind))
         arg: float | int | None = None
         if action in ("scale", "pure_scale"):
             arg = draw(st.sampled_from(_SCALE_ARGS))

@@ -196,14 +196,14 @@ def test_a_campaign_of_generated_programs_finds_the_planted_fault(
     """As a campaign would: generated programs (whole catalog), 2
     neighbours, stop at the first failure, within 300 programs (bounded by
     count, not time, so a busy machine cannot fail it); the fault here is
-    CumsumBackward0's key leaving out ``dim`` (program 178 of 300 meets it;
+    SoftmaxBackward0's key leaving out ``dim`` (program 298 of 300 meets it;
     FlipBackward0's ``dims`` stopped being met within 300 when the graph
     features' ops joined the catalog). Without graph features: they meet
     two cagrad divergences of their own first (a root moved to another
     output of aminmax hits the entry of the first; the create_graph grad
     of a one-element prod has no graph), which the campaign reports."""
     generated = _generated(300, graph_features=False)
-    plant(monkeypatch, "CumsumBackward0", "dim")
+    plant(monkeypatch, "SoftmaxBackward0", "dim")
     oracle = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=2)
     found, ran = None, 0
     for program in generated:

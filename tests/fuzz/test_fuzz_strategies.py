@@ -293,12 +293,12 @@ def test_the_generator_never_writes_into_the_base_of_a_multi_output_view() -> No
     gen = settings(max_examples=500, phases=[Phase.generate])
     # in-place writes into a base whose single-output views are used later
     # are generated (eager allows them) ...
-    single = programs(ops=("sin", "slice", "transpose", "mul_inplace"), max_ops=6, hooks=False, shapes=False)
+    single = programs(ops=("sin", "slice", "transpose", "mul_inplace"), max_ops=6, hooks=False, shapes=False, graph_features=False)
     p = find(single, lambda p: _writes(p, multi=False), settings=gen)
     eager_grads(p)
     # ... into a base of split/unbind views never (eager rejects them)
     # (without the rule about 1 program in 30 of these does)
-    multi = programs(ops=("sin", "unbind", "mul_inplace"), max_ops=10, hooks=False, shapes=False)
+    multi = programs(ops=("sin", "unbind", "mul_inplace"), max_ops=10, hooks=False, shapes=False, graph_features=False)
     with pytest.raises(NoSuchExample):
         find(multi, lambda p: _writes(p, multi=True), settings=gen)
     # while mul_inplace still writes into other values of such programs
