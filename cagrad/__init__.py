@@ -36,6 +36,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``capture.compiler``            AutogradCompilerInstance: the trace
 ``capture.runtime_ops``         opaque calls: hooks, opaque nodes, AccumulateGrad
 ``capture.segments``            graphs cut at opaque calls, compiled per segment
+``capture.shape_env``           the trace's ShapeEnv: sizes of 1 as symbols
 ``compile/`` (backend)
 ``compile.backends``            compiler_fn resolution
 ``compile.direct_compile``      backends called without Dynamo

@@ -26,6 +26,8 @@ Features (what turns off):
                        them fall back (``invisible_hooks``)
 ``torch_compat``       :func:`cagrad.torch_compat.install` (serving
                        ``torch._dynamo.compiled_autograd``) does nothing
+``lazy_cuda``          a CPU backward's compile may initialize CUDA on a
+                       machine with a GPU (see :mod:`cagrad.preserve`)
 =====================  ========================================================
 
 The table of every internal is in docs/torch-internals.md;
@@ -46,7 +48,7 @@ from .errors import Unsupported
 
 log = logging.getLogger("cagrad")
 
-FEATURES = ("engine", "custom_function", "generated_nodes", "native", "ddp_hooks", "torch_compat")
+FEATURES = ("engine", "custom_function", "generated_nodes", "native", "ddp_hooks", "torch_compat", "lazy_cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,6 +413,14 @@ def _check_compiled_autograd() -> str | None:
     return None
 
 
+def _check_preserve_rng_state() -> str | None:
+    utils = importlib.import_module("torch._dynamo.utils")
+    fn = getattr(utils, "preserve_rng_state", None)
+    if not callable(fn):
+        return "torch._dynamo.utils lacks preserve_rng_state"
+    return None
+
+
 for _entry in (
     Internal(
         "execution_engine",
@@ -500,6 +510,13 @@ for _entry in (
         "cagrad.torch_compat",
         "torch_compat",
         _check_compiled_autograd,
+    ),
+    Internal(
+        "dynamo_preserve_rng_state",
+        "torch._dynamo.utils.preserve_rng_state, bound by name in AOTAutograd and inductor modules",
+        "cagrad.preserve",
+        "lazy_cuda",
+        _check_preserve_rng_state,
     ),
 ):
     register(_entry)

@@ -7,6 +7,7 @@
     python -m fuzz replay program.json --subjects 'cagrad[eager],torch_ca[eager]'
     python -m fuzz replay program.json --show      # as plain torch code
     python -m fuzz ops                             # the op catalog
+    python -m fuzz coverage --seed 1 --programs 500   # what a campaign would cover (generated, not run)
     python -m fuzz campaign --budget 60 --out o --ops 'fn_sin_scale,slice_mul_,sin' --no-hooks
     python -m fuzz campaign --budget 60 --out o --no-shapes   # no size sequences
     python -m fuzz campaign --budget 3600 --seed 7 --shard 2/4 --out shard2   # one of 4 machines
@@ -26,6 +27,7 @@ interrupted.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -110,6 +112,14 @@ def main() -> None:
     "the report lists every subject's captures per size variant.",
 )
 @click.option(
+    "--training/--no-training",
+    default=True,
+    show_default=True,
+    help="Make about one program in eight train (1-3 SGD or Adam steps, every loss, .grad and parameter "
+    "compared after each step) and about one in eight checkpoint a region of its ops (docs/fuzzing.md, "
+    "'Program features').",
+)
+@click.option(
     "--shrink-seconds",
     type=click.FloatRange(min=0),
     default=120.0,
@@ -124,6 +134,12 @@ def main() -> None:
     help="Programs per round (one Hypothesis run; the unit of parallelism and shards).",
 )
 @click.option("--max-programs", type=click.IntRange(min=1), help="Stop after this many programs, budget or not.")
+@click.option(
+    "--steer/--no-steer",
+    default=True,
+    show_default=True,
+    help="Weight each round's ops toward what earlier rounds covered least (fuzz/campaign/steer.py).",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a live progress bar.")
 @click.option(
     "--workers",
@@ -180,9 +196,11 @@ def campaign(
     max_hooks: int,
     hook_actions: str | None,
     shapes: bool,
+    training: bool,
     shrink_seconds: float,
     round_size: int,
     max_programs: int | None,
+    steer: bool,
     progress: bool,
     workers: int,
     timeout: float,
@@ -219,6 +237,8 @@ def campaign(
             max_hooks=max_hooks,
             hook_actions=tuple(_split(hook_actions) or ()) if hook_actions else None,
             shapes=shapes,
+            training=training,
+            checkpoint=training,
         )
         programs(gen)  # checks the op names and hook actions
     except ValueError as e:
@@ -253,6 +273,7 @@ def campaign(
         rounds=rounds,
         known=None if known == "none" else known,
         neighbours=neighbours,
+        steer=steer,
     )
     try:
         code = Campaign(config).run()
@@ -375,6 +396,35 @@ def list_ops() -> None:
         notes = "; ".join(n for n in (spec.doc, "several outputs" if spec.multi_output else "") if n)
         table.add_row(spec.name, spec.category, spec.arity_text(), Text(attrs), Text(notes))
     Console().print(table)
+
+
+@main.command("coverage")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Campaign seed.")
+@click.option("--programs", "count", type=click.IntRange(min=1), default=500, show_default=True, help="Programs to generate.")
+@click.option("--round-size", type=click.IntRange(min=1), default=100, show_default=True, help="Programs per round.")
+@click.option("--steer/--no-steer", default=True, show_default=True, help="Steer rounds as a campaign does.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Also write the counts here.")
+def coverage_preview(seed: int, count: int, round_size: int, steer: bool, json_path: Path | None) -> None:
+    """What the first PROGRAMS programs of a campaign with default generation
+    options would exercise (generated, not run; see docs/fuzzing.md#coverage)."""
+    from fuzz.campaign.steer import preview
+    from fuzz.ops import OPS
+    from fuzz.strategies import GenConfig
+
+    got = preview(GenConfig(), seed, count, round_size, steer)
+    ops = got["op_counts"]
+    uses = sum(ops.values())
+    mean = uses / len(OPS)
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:5]
+    click.echo(f"{got['programs']} programs, {uses} op uses, {len(ops)} of {len(OPS)} ops used; mean {mean:.1f} uses per op")
+    click.echo("most used: " + ", ".join(f"{n} {c} ({c / uses:.1%}, {c / mean:.2f}x mean)" for n, c in top))
+    click.echo("least used: " + ", ".join(f"{n} {ops.get(n, 0)}" for n in sorted(OPS, key=lambda n: ops.get(n, 0))[:5]))
+    for kind in ("feature_groups", "pair_groups"):
+        for group, g in got["coverage"][kind].items():
+            missing = f": uncovered {', '.join(g['uncovered'])}" if g["uncovered"] else ""
+            click.echo(f"{group}: {g['covered']}/{g['total']}{missing}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(got, indent=1))
 
 
 from fuzz.report.cli import report  # noqa: E402  (the command lives in its own sub-package)

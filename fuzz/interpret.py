@@ -15,12 +15,14 @@ the harness compares their ``.grad`` too.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fuzz import features_graph
 from fuzz import ops as catalog
+from fuzz import training_run
 from fuzz.hooks import register_hooks
 from fuzz.ir import Leaf, Program
 from harness.capture_rule import SizeVariant
@@ -38,8 +40,9 @@ def seeded_uniform(seed: int, key: str, shape: tuple[int, ...], dtype: torch.dty
     return t.to(dtype).to(device)
 
 
-def make_leaf(leaf: Leaf, seed: int, device: Any) -> torch.Tensor:
-    t = seeded_uniform(seed, leaf.name, leaf.shape, catalog.TORCH_DTYPES[leaf.dtype], device)
+def make_leaf(leaf: Leaf, seed: int, device: Any, step: int = 1) -> torch.Tensor:
+    key = training_run.step_key(leaf.name, step)
+    t = seeded_uniform(seed, key, leaf.shape, catalog.TORCH_DTYPES[leaf.dtype], device)
     return t.requires_grad_(leaf.requires_grad)
 
 
@@ -50,26 +53,36 @@ def second_values(program: Program, name: str, device: Any) -> torch.Tensor:
     return seeded_uniform(program.seed, f"{name}/b", leaf.shape, catalog.TORCH_DTYPES[leaf.dtype], device)
 
 
-def run_forward(program: Program, device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """Every value of the program by reference (``"v3"``, ``"v4:1"``)."""
+def run_forward(
+    program: Program, device: Any = "cpu", given: Mapping[str, torch.Tensor] | None = None, step: int = 1
+) -> dict[str, torch.Tensor]:
+    """Every value of the program by reference (``"v3"``, ``"v4:1"``); the
+    leaves named in ``given`` are those tensors, the others are made for
+    optimizer step ``step`` (:func:`fuzz.training_run.step_key`) and the
+    subclass leaves wrapped (:mod:`fuzz.features_graph`; a program with
+    subclass leaves has no ``train``, so ``given`` is then None)."""
     values: dict[str, torch.Tensor] = {}
     for leaf in program.leaves:
-        values[leaf.name] = make_leaf(leaf, program.seed, device)
-    features_graph.wrap_subclass_leaves(program, values, lambda name: second_values(program, name, device))
-    for op in program.ops:
-        spec = catalog.get(op.op)
-        out = spec.run([values[ref] for ref in op.inputs], op.attrs)
-        if spec.multi_output:
-            for i, t in enumerate(out):
-                values[f"{op.name}:{i}"] = t
+        if given is not None and leaf.name in given:
+            values[leaf.name] = given[leaf.name]
         else:
-            values[op.name] = out
+            values[leaf.name] = make_leaf(leaf, program.seed, device, step)
+    features_graph.wrap_subclass_leaves(program, values, lambda name: second_values(program, name, device))
+    training_run.run_ops(program, values)
     return values
 
 
 def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
     values = run_forward(program, device)
-    trace: list[Any] = []
+    run = run_from_values(program, values, device, [])
+    if program.train is not None:
+        run.driver = training_run.make_driver(program, device, values, run_forward, run_from_values)
+    return run
+
+
+def run_from_values(program: Program, values: dict[str, torch.Tensor], device: Any, trace: list[Any]) -> ProgramRun:
+    """The run of the forward that made ``values``: hooks registered
+    (recording into ``trace``), roots and grad_outputs made."""
     retained = register_hooks(program.hooks, values, trace)
     roots = [values[ref] for ref in program.roots]
     if program.loss == "sum":

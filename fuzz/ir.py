@@ -62,7 +62,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fuzz import ir_graph
+from fuzz import features_training, ir_graph
 from fuzz.ir_graph import DoubleBackward, FuncTerm
 
 SCHEMA_VERSION = 2
@@ -245,6 +245,9 @@ class Program:
     func_terms: tuple[FuncTerm, ...] = ()
     subclass_leaves: tuple[str, ...] = ()
     double_backward: DoubleBackward | None = None
+    # optimizer steps and a checkpointed region (fuzz.features_training)
+    train: Any = None
+    checkpoint: Any = None
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
@@ -263,6 +266,7 @@ class Program:
             "hooks": [hook.to_dict() for hook in self.hooks],
             **({"resizes": [[list(pair) for pair in step] for step in self.resizes]} if self.resizes else {}),
             **ir_graph.fields_to_dict(self),
+            **features_training.to_dict(self),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -314,6 +318,7 @@ class Program:
         if self.resizes:
             out.append("shapes:sequence")
         out += sorted(ir_graph.program_features(self))
+        out += sorted(features_training.program_features(self))
         return out
 
     # ------------------------------------------------------ size sequences
@@ -371,9 +376,10 @@ class Program:
         steps = tuple(tuple(p for p in step if p[0] in sizes) for step in self.resizes)
         resizes = tuple(step for step in steps if step)
         graph = ir_graph.pruned_fields(self, {leaf.name for leaf in leaves})
-        return dataclasses.replace(
+        pruned = dataclasses.replace(
             self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks, resizes=resizes, **graph
         )
+        return features_training.tidy(pruned)
 
     def without_invalid_hooks(self) -> Program:
         """Drops the hooks :func:`validate` would reject (after an edit that
@@ -403,7 +409,10 @@ _PROGRAM_FIELDS_V1 = {
     "schema", "name", "seed", "leaves", "ops", "roots", "loss", "mode",
     "inputs", "retain_graph", "repeat",
 }
-_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes", *ir_graph.FIELDS}}
+_PROGRAM_FIELDS = {
+    1: _PROGRAM_FIELDS_V1,
+    2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes", *ir_graph.FIELDS, *features_training.FIELDS},
+}
 _REQUIRED_FIELDS = {"schema", "leaves", "ops", "roots"}
 _LEAF_FIELDS = {"name", "shape", "dtype", "requires_grad"}
 _OP_FIELDS = {"name", "op", "inputs", "attrs"}
@@ -499,6 +508,7 @@ def _parse_program(data: Any) -> Program:
         repeat=data.get("repeat", 1),
         seed=data.get("seed", 0),
         name=data.get("name", ""),
+        **features_training.parse(data, _expect),
     )
 
 
@@ -658,6 +668,7 @@ def validate(program: Program) -> dict[str, ValueInfo]:
         hook_names.add(hook.name)
         check_hook(hook, where, values, resolve)
     ir_graph.check(program, values, resolve, _expect)
+    features_training.validate(program, values, _expect)
     check_resizes(program)
     return values
 

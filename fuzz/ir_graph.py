@@ -234,6 +234,32 @@ def check(program: Any, values: Mapping[str, Any], resolve: Callable[[Any, str],
             "double_backward",
             "a double backward is not combined with subclass leaves (their create_graph formulas are not modelled)",
         )
+    check_training(program, expect)
+
+
+def check_training(program: Any, expect: Expect) -> None:
+    """Rejects the graph features that cannot go with optimizer steps or a
+    checkpointed region (:mod:`fuzz.features_training`): the
+    ``torch.func`` terms and the double backward run once in the backward's
+    stage, not once per optimizer step, and read values a checkpointed
+    region keeps to itself; a double backward's ``create_graph=True``
+    grads would be stepped by the optimizer; subclass leaves are not
+    parameters an optimizer steps, nor inputs of a checkpoint region."""
+    used = [
+        name
+        for name, present in (
+            ("func_terms", bool(program.func_terms)),
+            ("double_backward", program.double_backward is not None),
+            ("subclass_leaves", bool(program.subclass_leaves)),
+        )
+        if present
+    ]
+    for field, what in (("train", "optimizer steps"), ("checkpoint", "a checkpointed region")):
+        expect(
+            getattr(program, field, None) is None or not used,
+            field,
+            f"{what} cannot be combined with {' or '.join(used)} (graph features of the backward's stage)",
+        )
 
 
 # ----------------------------------------------------------- references

@@ -5,7 +5,8 @@ any campaigns).
 Counts are added up; failures are deduplicated by signature (their counts
 added; the files of the first shrunk one, else the first one, copied to
 ``M/failures/`` under a new id); known issues are added up by id and
-signature. ``merged_from`` lists the inputs with their shards; ``shard`` is
+signature; coverage counts are added up and what is (not) covered is
+worked out again over the sum (:func:`fuzz.coverage.summary`). ``merged_from`` lists the inputs with their shards; ``shard`` is
 null. The merged ``exit_status`` is 1 when any failure remains.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fuzz import coverage
 from fuzz.campaign.config import atomic_write, slug
 from fuzz.campaign.state import MAX_FALLBACK_SAMPLES, REPORT_SCHEMA
 
@@ -71,6 +73,8 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
         "programs_run": 0,
         "op_counts": {},
         "feature_counts": {},
+        "coverage": {},
+        "steered": all(r.get("steered", False) for _, r in reports),
         "subjects": [],
         "devices": [],
         "failures": [],
@@ -126,6 +130,13 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
                 chosen[sig] = (out, f)
             counts[sig] = counts.get(sig, 0) + f["count"]
     merged["throughput"]["programs_per_s"] = round(merged["throughput"]["programs_per_s"], 3)
+    # coverage: counts added up, what is (not) covered worked out again over the sum
+    feats: dict[str, int] = {}
+    prs: dict[str, int] = {}
+    for _, r in reports:
+        _add(feats, (r.get("coverage") or {}).get("features", {}))
+        _add(prs, (r.get("coverage") or {}).get("pairs", {}))
+    merged["coverage"] = coverage.summary(feats, prs)
     for i, sig in enumerate(order, 1):
         out, f = chosen[sig]
         fid = f"F{i:03d}"

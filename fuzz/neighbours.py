@@ -26,6 +26,11 @@ Kinds of change (:data:`CHANGE_KINDS`), each a single edit of the IR:
   term's transform or function, the double backward's penalty, a subclass
   leaf made plain, or a root moved to another output of its op (the key
   must see which output a root is);
+* ``train``: one option of the training features changed (a step count,
+  the optimizer, ``foreach``, ``set_to_none``, the learning rate, a
+  checkpoint region's reentrancy, policy or extent:
+  :func:`fuzz.training_gen.neighbour_candidates`); a dropout ``p`` or a
+  threshold is an ``attr`` change;
 * ``alias``: which tensors are the same object, nothing else: a value that
   does not require grad and is used twice gets a twin leaf for one use
   (same shape and dtype), or one use of such a value is replaced by another
@@ -56,12 +61,12 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from fuzz import features_graph
+from fuzz import features_graph, training_gen
 from fuzz import ops as catalog
 from fuzz.interpret import derived_seed, program_digest
 from fuzz.ir import DTYPES, Hook, IRError, Leaf, Program, ValueInfo, validate
 
-CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values", "graph")
+CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values", "graph", "train")
 
 # a lazily built candidate: (label, thunk returning the changed program)
 _Candidate = tuple[str, Callable[[], Program]]
@@ -97,7 +102,9 @@ def derive(program: Program, n: int) -> list[Neighbour]:
     pools: dict[str, list[_Candidate]] = {kind: list(_CANDIDATES[kind](base, infos)) for kind in CHANGE_KINDS}
     for pool in pools.values():
         rng.shuffle(pool)
-    rest = [k for k in CHANGE_KINDS if k not in ("attr", "alias")]
+    # (a kind with no candidate stays out of the shuffle: programs without
+    # training features keep the order they had before the kind existed)
+    rest = [k for k in CHANGE_KINDS if k not in ("attr", "alias") and (k != "train" or pools[k])]
     rng.shuffle(rest)
     order = ["attr", "alias", *rest]
     found: list[Neighbour] = []
@@ -324,6 +331,7 @@ _CANDIDATES: dict[str, Callable[[Program, Mapping[str, ValueInfo]], Iterator[_Ca
     "edge": _edge_candidates,
     "values": _values_candidates,
     "graph": features_graph.neighbour_candidates,
+    "train": training_gen.neighbour_candidates,
 }
 
 __all__ = ["CHANGE_KINDS", "Neighbour", "attr_alternatives", "derive", "neighbours"]

@@ -6,6 +6,8 @@ works on the program itself, greedily, keeping a candidate only when it still
 fails and is smaller by :func:`complexity`:
 
 * drop a root (keeping at least one);
+* drop or lower the training features (optimizer steps, a checkpoint
+  region: :func:`fuzz.training_gen.reductions`);
 * drop the size sequence, or one resize step of it;
 * cut an op: its output becomes a fresh leaf of the same shape and dtype, so
   the op and everything only it needed disappear;
@@ -37,12 +39,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from fuzz import features_graph, ir_graph
+from fuzz import features_graph, ir_graph, training_gen
 from fuzz.ir import IRError, Leaf, Op, Program, validate
 
 
 def complexity(p: Program) -> tuple[int, ...]:
-    """Smaller is simpler: ops, leaves, elements, resize steps, hooks, hooks
+    """Smaller is simpler: ops, leaves, elements, resize steps, training
+    features (:func:`fuzz.training_gen.weight`), hooks, hooks
     that change gradients, ops other than ``clone``, roots, then the
     backward's options, then float64 leaves, then the JSON's length."""
     ops, leaves, numel, json_len = p.size_key()
@@ -51,6 +54,7 @@ def complexity(p: Program) -> tuple[int, ...]:
         leaves,
         numel,
         len(p.resizes),
+        training_gen.weight(p),
         len(p.hooks),
         features_graph.weight(p),
         sum(h.action != "observe" for h in p.hooks),
@@ -157,6 +161,7 @@ def candidates(p: Program) -> Iterator[Program]:
     for i in range(len(p.roots)):
         if len(p.roots) > 1:
             yield dataclasses.replace(p, roots=p.roots[:i] + p.roots[i + 1 :])
+    yield from training_gen.reductions(p)
     if p.resizes:
         yield p.without_resizes()
     if len(p.resizes) > 1:

@@ -22,6 +22,7 @@ import inspect
 
 from fuzz import features_graph, functions
 from fuzz import ops as catalog
+from fuzz import training_render
 from fuzz.interpret import derived_seed
 from fuzz.ir import Hook, Program
 
@@ -110,7 +111,7 @@ def _hook_lines(hook: Hook) -> list[str]:
 
 
 def render_source(program: Program) -> str:
-    lines = ["import torch"]
+    lines = ["import torch", *training_render.imports(program)]
     if program.subclass_leaves:
         lines.append("from torch.testing._internal.two_tensor import TwoTensor")
     sources = _function_sources(program)
@@ -118,26 +119,31 @@ def render_source(program: Program) -> str:
         lines.append("from torch.autograd.function import once_differentiable")
     for src in sources:
         lines.extend(["", "", src.rstrip("\n")])
+    lines.extend(training_render.definitions(program))
     sequence = bool(program.resizes)
     lines.extend(["", "", "def run(device='cpu', trace=None, resize=None):" if sequence else "def run(device='cpu', trace=None):"])
-    body = []
+    body: list[str] = []
+    fresh: list[str] = []
     if sequence:
         body.append("resize = resize or {}  # {old size: new size} for every leaf shape entry")
     for leaf in program.leaves:
         shape = repr(tuple(leaf.shape))
         if sequence:
             shape = f"tuple(resize.get(d, d) for d in {shape})"
+        if program.train is not None and leaf.name in program.train.fresh:
+            fresh.append(training_render.fresh_leaf_line(program, leaf, shape))  # drawn at each step
+            continue
         expr = _uniform(program.seed, leaf.name, shape, f"torch.{leaf.dtype}")
         body.append(f"{leaf.name} = {expr}.requires_grad_({leaf.requires_grad})")
         if leaf.name in program.subclass_leaves:
             second = _uniform(program.seed, f"{leaf.name}/b", shape, f"torch.{leaf.dtype}")
             body.append(features_graph.subclass_leaf_line(leaf.name, second, leaf.requires_grad))
-    for op in program.ops:
-        spec = catalog.get(op.op)
-        body.extend(spec.statements(op.name, [ref_expr(r) for r in op.inputs], op.attrs))
+    outer, body = body, fresh  # training: the rest runs once per optimizer step
+    body.extend(training_render.op_lines(program))
     stage = features_graph.stage_source(program)
     if program.hooks or stage:
-        body.append("trace = [] if trace is None else trace")
+        if program.train is None:
+            body.append("trace = [] if trace is None else trace")
         if any(h.kind == "retain_grad" for h in program.hooks):
             body.append("retained = []")
         for hook in program.hooks:
@@ -174,6 +180,7 @@ def render_source(program: Program) -> str:
             f"    torch.autograd.backward(outputs, grad_tensors=grad_outputs, retain_graph={retain}, inputs={inputs})"
         )
         body.append(f"return [leaf.grad for leaf in {leaves}]")
+    body = outer + training_render.step_loop(program, body) if program.train is not None else outer + body
     lines.extend("    " + line for line in body)
     if sequence:
         steps = ", ".join("{" + ", ".join(f"{old}: {new}" for old, new in step) + "}" for step in program.resizes)

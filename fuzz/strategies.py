@@ -8,6 +8,19 @@ Every draw is ordered so that Hypothesis' shrinking moves toward simpler
 programs: fewer ops, fewer and smaller leaves, reuse of existing values, the
 first ops of the catalog, loss ``"sum"``, mode ``"backward"``, one root.
 
+Ops are drawn by weight (:func:`op_weights`: 1 each, ``rare`` ops 1/4, or a
+campaign's per-round ``GenConfig.op_weights``), not by Hypothesis' taste:
+while generating, Hypothesis makes many choices at their simplest value (the
+first programs of a run extend a short random prefix with simplest choices),
+so a plain ``sampled_from`` over the catalog piles up its first op. Here an
+op is a slot of a table of 4096 (:mod:`fuzz.op_table`: every op in
+slots proportional to its weight, spread evenly) picked by a point drawn as
+two bytes, shifted by ``GenConfig.op_rotation`` (a campaign sets one per
+round): only the all-zero point maps to one fixed op, slot ``op_rotation``.
+Shrinking lowers the point, toward that slot; with rotation 0 and the
+default weights it is the catalog's first op. The "another op?" flag stops
+on its simplest value, so those simplest programs have one op.
+
 After the roots and the backward options, hooks are drawn on values the
 roots depend on (:func:`_draw_hooks`). Custom ``autograd.Function`` s and
 in-place ops on views are ops of the catalog and drawn like the others (the
@@ -30,6 +43,7 @@ from hypothesis import strategies as st
 
 from fuzz import features_graph
 from fuzz import ops as catalog
+from fuzz import training_gen
 from fuzz.ir import (
     DTYPES,
     HOOK_KINDS,
@@ -46,6 +60,7 @@ from fuzz.ir import (
     inplace_conflicts,
     validate,
 )
+from fuzz.op_table import OP_SLOTS, draw_op, op_slots, op_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +106,19 @@ class GenConfig:
     # features_graph.draw_graph_features). The inner_grad hook action and
     # the ops of fuzz.ops_graph are drawn as hooks and ops.
     graph_features: bool = True
+    # Op weights: (name, weight) pairs, weight >= 0 (an op left out or of
+    # weight 0 is never drawn; None: op_weights' defaults). A campaign
+    # passes per-round weights that steer toward ops drawn less so far
+    # (fuzz.campaign.steer).
+    op_weights: tuple[tuple[str, float], ...] | None = None
+    # Shifts the op table (see the module docstring), 0 <= op_rotation <
+    # OP_SLOTS: the simplest op choice is slot op_rotation.
+    op_rotation: int = 0
+    # Optimizer steps and checkpoint regions, each in about one program in
+    # eight (fuzz.training_gen); the random and data-dependent-size ops are
+    # ops of the catalog (fuzz.ops_dynamic).
+    training: bool = True
+    checkpoint: bool = True
 
     def allowed_actions(self, kind: str) -> list[str]:
         actions = list(HOOK_KINDS[kind])
@@ -106,6 +134,11 @@ class GenConfig:
         if not names:
             raise ValueError("no ops to generate from")
         return names
+
+    def op_table(self) -> tuple[str, ...]:
+        """The :data:`OP_SLOTS` slots ops are drawn from (see :func:`op_slots`).
+        Raises ValueError on unknown ops, or weights negative or all 0."""
+        return op_slots(tuple(self.op_names()), self.op_weights)
 
 
 def _rare(draw: Any, one_in: int = 8) -> bool:
@@ -234,24 +267,19 @@ def _ancestry(ops: Sequence[Op], refs: Sequence[str]) -> set[str]:
 
 @st.composite
 def _programs(draw: Any, cfg: GenConfig) -> Program:
-    op_names = cfg.op_names()
     b = _Builder(draw, cfg)
     b.new_leaf(draw(st.lists(st.integers(1, catalog.MAX_DIM), max_size=catalog.MAX_RANK).map(tuple)))
-    # Generation favours small indices (so would sampled_from); a rotation
-    # drawn once per program spreads the ops evenly over the catalog, while
-    # shrinking still lowers each op's index.
-    rotation = draw(st.integers(0, len(op_names) - 1))
+    slots = cfg.op_table()
     for i in range(cfg.max_ops):
         # An "another op?" flag before each op but the first, as st.lists
-        # has: the shrinker deletes an op together with its flag. It stops on
-        # its largest value, so generation (which favours small values) makes
-        # longer programs.
-        if i and draw(st.integers(0, 4)) == 4:
+        # has: the shrinker deletes an op together with its flag, or ends the
+        # program there (0 stops); random generation goes on 4 times in 5.
+        # The simplest programs Hypothesis runs while generating (a random
+        # prefix, then simplest choices) so have one op, at slot op_rotation,
+        # which a campaign's steering gives to the op that needs it most.
+        if i and draw(st.integers(0, 4)) == 0:
             break
-        k = (rotation + draw(st.integers(0, len(op_names) - 1))) % len(op_names)
-        if catalog.OPS[op_names[k]].rare and not _rare(draw, 4):
-            k = (k + 1) % len(op_names)  # a rare op gives way to the next one, 3 times in 4
-        b.add_op(op_names[k])
+        b.add_op(draw_op(draw, slots, cfg.op_rotation))
 
     op_values = [v for v in b.pool if v.requires_grad and base_name(v.ref) not in {leaf.name for leaf in b.leaves}]
     leaf_values = [v for v in b.pool if v.requires_grad and v not in op_values]
@@ -295,7 +323,18 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
         program = features_graph.draw_graph_features(draw, program, b.pool)
     if cfg.prune:
         program = program.pruned()
-    if cfg.shapes and cfg.max_resizes >= 1 and not features_graph.stage_features(program):
+    # (training features are drawn only where validation allows them: not
+    # with a graph feature that runs in the backward's stage, see
+    # fuzz.ir_graph.check)
+    program = training_gen.draw_features(draw, program, cfg.training, cfg.checkpoint)
+    # (a program that trains is no size sequence: the capture rule counts
+    # one backward per size, and later steps may capture anew by design)
+    if (
+        cfg.shapes
+        and cfg.max_resizes >= 1
+        and program.train is None
+        and not features_graph.stage_features(program)
+    ):
         program = _draw_resizes(draw, cfg, program)
     validate(program)
     return program
@@ -407,7 +446,9 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
 def programs(config: GenConfig | None = None, **overrides: Any) -> st.SearchStrategy[Program]:
     """Random valid programs; ``overrides`` replace :class:`GenConfig` fields."""
     cfg = dataclasses.replace(config or GenConfig(), **overrides)
-    cfg.op_names()  # fail early on unknown names
+    cfg.op_table()  # fail early on unknown names and bad weights
+    if not 0 <= cfg.op_rotation < OP_SLOTS:
+        raise ValueError(f"op_rotation must be in [0, {OP_SLOTS}), got {cfg.op_rotation}")
     known = {f"{k}.{a}" for k, actions in HOOK_KINDS.items() for a in actions}
     unknown = sorted(set(cfg.hook_actions or ()) - known)
     if unknown:

@@ -13,7 +13,8 @@ rounds and reads a stream of events from it over a pipe:
     a subject starts its run of that program (``name`` None when it is done):
     the parent blames a crash or a hang on the subject running then;
 ``("ran", {...})``
-    a generated program is done: ops, features, outcome counts, the
+    a generated program is done: ops, features, coverage
+    (:func:`fuzz.coverage.program_coverage`), outcome counts, the
     signatures it hit, known issues, a ``novel`` failure (unshrunk);
 ``("failure", {...})``
     a failure shrunk (replaces the unshrunk record);
@@ -22,7 +23,8 @@ rounds and reads a stream of events from it over a pipe:
 ``("error", {traceback})``
     the worker itself failed (a bug in the fuzzer).
 
-The parent sends ``("task", {round, skip, deadline})``, ``("settled",
+The parent sends ``("task", {round, skip, deadline, plan})`` (``plan``: the
+round's :class:`~fuzz.campaign.steer.RoundPlan` as JSON), ``("settled",
 [signature, ...])`` (failures recorded by any worker: count them, do not
 shrink them again) and ``("stop", None)``. Workers ignore SIGINT (the parent
 decides when to stop) and exit when their parent dies.
@@ -163,7 +165,9 @@ def worker_main(conn: Connection, cfg: Any) -> None:
             elif event == "stop":
                 break
             elif event == "task":
-                runner.run_round(payload["round"], payload["skip"], payload["deadline"])
+                from fuzz.campaign.steer import RoundPlan
+
+                runner.run_round(payload["round"], payload["skip"], payload["deadline"], RoundPlan.from_json(payload.get("plan")))
     except (EOFError, BrokenPipeError):
         return
     except BaseException:
@@ -209,9 +213,11 @@ class Worker:
         except (OSError, ValueError):
             pass  # it died; the parent finds out from its exit code
 
-    def assign(self, r: int, skip: int, deadline: float) -> None:
+    def assign(self, r: int, skip: int, deadline: float, plan: dict[str, Any] | None = None) -> None:
+        """Hands the worker round ``r`` from program ``skip``; ``plan``: the
+        round's :class:`~fuzz.campaign.steer.RoundPlan` as JSON."""
         self.round, self.skip, self.last_gen, self.program = r, skip, skip - 1, None
-        self.send("task", {"round": r, "skip": skip, "deadline": deadline})
+        self.send("task", {"round": r, "skip": skip, "deadline": deadline, "plan": plan})
 
     def ran_past(self, now: float, timeout_s: float, cpu_timeout_s: float | None) -> dict[str, Any] | None:
         """The timeout outcome when the running program is past either limit

@@ -25,7 +25,7 @@ from harness.capture_rule import SizeVariant, allowed_captures, check_captures
 from harness.devices import available_devices, resolve_devices
 from harness.execution import Execution, execute
 from harness.outcome import DifferentialReport, ErrorInfo, Mismatch, Outcome, Status
-from harness.program import CallableProgram, Program, ProgramRun, program, run_backward
+from harness.program import CallableProgram, Observation, Program, ProgramRun, program, run_backward
 from harness.runner import ProgramBuildError, judge, run_differential
 from harness.subjects import (
     CagradSubject,
@@ -50,6 +50,7 @@ __all__ = [
     "Outcome",
     "Program",
     "ProgramBuildError",
+    "Observation",
     "ProgramRun",
     "SizeVariant",
     "Status",

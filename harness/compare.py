@@ -32,6 +32,7 @@ import torch
 
 from harness.global_state import GlobalState, left_differently
 from harness.outcome import Mismatch
+from harness.program import Observation
 from harness.tolerance import Tolerance
 
 #: ``dtype -> Tolerance`` for the subject and device being compared.
@@ -248,13 +249,17 @@ def compare_trace(
     """Compares two hook traces; entries are labelled ``trace[i]``.
 
     A length difference is reported as ``"trace length"``, and the common
-    prefix is still compared entry by entry.
+    prefix is still compared entry by entry; an
+    :class:`~harness.program.Observation` is labelled by its own label.
     """
     out: list[Mismatch] = []
     if len(expected) != len(actual):
         out.append(Mismatch("trace length", f"eager recorded {len(expected)} events, subject {len(actual)}"))
     for i, (e, a) in enumerate(zip(expected, actual)):
-        out.extend(compare_structure(e, a, f"trace[{i}]", tolerance, float_tolerance))
+        if isinstance(e, Observation) and isinstance(a, Observation) and e.label == a.label:
+            out.extend(compare_structure(e.value, a.value, e.label, tolerance, float_tolerance))
+        else:
+            out.extend(compare_structure(e, a, f"trace[{i}]", tolerance, float_tolerance))
     return out
 
 

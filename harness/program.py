@@ -23,11 +23,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 BackwardMode = Literal["backward", "grad"]
+
+
+class Observation(NamedTuple):
+    """A labelled value a program records into :attr:`ProgramRun.trace`
+    (a loss, a parameter after an optimizer step): the oracle compares
+    ``value`` with eager's and names a difference by ``label``
+    (``"train step 2/3: x0"``; a label ending in ``state <field>`` is a
+    difference of kind ``state``)."""
+
+    label: str
+    value: Any
+
+    def __repr__(self) -> str:  # as the plain tuple a rendered program records
+        return repr(tuple(self))
 
 
 @dataclasses.dataclass
@@ -48,7 +62,13 @@ class ProgramRun:
             above 1 need ``retain_graph=True``); results are compared after
             the last one.
         trace: events appended by hooks during the backward, compared as a
-            list between subjects.
+            list between subjects (:class:`Observation` s among them).
+        driver: when set, :func:`run_backward` calls ``driver(run)``
+            instead of running the backward itself: a program that runs
+            several forwards, backwards and optimizer steps (the first
+            forward is the build's). It may replace ``leaves`` (the
+            ``.grad`` s compared at the end) and returns what
+            :func:`run_backward` returns.
     """
 
     leaves: list[torch.Tensor]
@@ -65,6 +85,7 @@ class ProgramRun:
     #: ``torch.func`` term, a ``create_graph=True`` grad whose grads make
     #: new roots); it may replace ``outputs`` and ``grad_outputs``.
     before_backward: Callable[[ProgramRun], None] | None = None
+    driver: Callable[[ProgramRun], Any] | None = None
 
 
 @runtime_checkable
@@ -103,6 +124,8 @@ def run_backward(run: ProgramRun) -> tuple[torch.Tensor | None, ...] | None:
     Returns the tuple from ``torch.autograd.grad`` in mode ``"grad"`` and
     ``None`` in mode ``"backward"``. Raises whatever the engine raises.
     """
+    if run.driver is not None:
+        return run.driver(run)
     result = None
     if run.before_backward is not None:
         before, run.before_backward = run.before_backward, None  # once per run

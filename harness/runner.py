@@ -13,7 +13,7 @@ from harness.compare import compare_state, compare_tensor_lists, compare_trace
 from harness.devices import resolve_devices
 from harness.execution import Execution, StepValues, execute
 from harness.outcome import DifferentialReport, Mismatch, Outcome, Status
-from harness.program import Program
+from harness.program import Observation, Program
 from harness.subjects import EagerSubject, Subject, resolve_subjects
 from harness.tolerance import TolerancePolicy, python_float_tolerance, tolerance_for
 
@@ -41,7 +41,10 @@ def judge(
     2. the subject raised: ``error``.
     3. any compared value differs: ``mismatch`` (every difference listed).
        Compared: ``grad result i`` (mode ``"grad"``), ``leaf i .grad`` (both
-       modes: ``autograd.grad`` must leave ``.grad`` alone), ``trace[i]``;
+       modes: ``autograd.grad`` must leave ``.grad`` alone), ``trace[i]``
+       (before the leaf ``.grad`` s when the trace holds
+       :class:`~harness.program.Observation` s: the per-step records of
+       a program that trains, whose earliest difference is listed first);
        each by the loosest tolerance among its own dtype and the floating
        dtypes of the program's leaves and outputs
        (:attr:`harness.execution.Execution.value_dtypes`); then the process
@@ -102,11 +105,15 @@ def judge(
                 reference.grad_results or [], step.grad_results or [],
                 lambda i, at=at: f"{at}grad result {i}", tol, f"{at}grad result count",
             )
-        mismatches += compare_tensor_lists(
+        grads = compare_tensor_lists(
             reference.leaf_grads, step.leaf_grads, lambda i, at=at: f"{at}leaf {i} .grad", tol, f"{at}leaf count"
         )
         found = compare_trace(reference.trace, step.trace, tol, python_float_tolerance(subject.backend, device.type))
-        mismatches += [dataclasses.replace(m, where=at + m.where) for m in found] if at else found
+        found = [dataclasses.replace(m, where=at + m.where) for m in found] if at else found
+        # a program that records per-step observations (optimizer steps):
+        # the earliest step's difference first, the last step's .grad after
+        observed = any(isinstance(e, Observation) for e in reference.trace)
+        mismatches += found + grads if observed else grads + found
     for k, step in enumerate(steps, 1):
         # after every value: a value that differs is the likelier root cause
         at = f"step {k}/{len(steps)}: " if len(steps) > 1 else ""

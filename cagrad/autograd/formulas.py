@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .validate import sum_to
+
 aten = torch.ops.aten
 
 Formula = Callable[[Any, list, Callable[[str], Any], Callable[[int], Any]], list]
@@ -115,7 +117,7 @@ def _mean1(node, grads, sym, md):
 
 @formula("ExpandBackward0")
 def _expand(node, grads, sym, md):
-    return [grads[0].sum_to_size(sym("self_sym_sizes"))]
+    return [sum_to(grads[0], sym("self_sym_sizes"))]
 
 
 # -- views ----------------------------------------------------------------------

@@ -30,10 +30,47 @@ def _expandable(shape: Sequence[int], desired: Sequence[int]) -> bool:
     # at::is_expandable_to(shape, desired)
     if len(shape) > len(desired):
         return False
+    if any(isinstance(x, torch.SymInt) for x in [*shape, *desired]):
+        from torch.fx.experimental.symbolic_shapes import sym_and
+
+        # one condition per dimension (see sum_to)
+        return not any(sym_and(a != b, a != 1) for a, b in zip(reversed(shape), reversed(desired)))
     for a, b in zip(reversed(shape), reversed(desired)):
         if a != b and a != 1:
             return False
     return True
+
+
+def sum_to(grad: torch.Tensor, shape: Sequence[Any]) -> torch.Tensor:
+    """``at::sum_to(grad, shape)`` (what the engine's ``reduce_grad`` and
+    ``sum_to_size`` run): the same ops, with each reduction decision taken
+    on its whole condition.
+
+    ``at::sum_to`` reduces a dimension where the target size is 1 and the
+    gradient's is not, asking the two halves one after the other; with
+    symbolic sizes each half is a guard of its own. Where both sizes are
+    one symbol ``s`` (a gradient ``(s, d)`` summed to ``(s, 1)``) the
+    condition ``s == 1 and s != 1`` is false for every ``s``, but its first
+    half alone guards ``Ne(s, 1)``, which keeps a size of 1 out of the
+    graph's sizes. Asked as one condition, it needs no guard, and where it
+    does the guard is the condition itself. Real sizes: ``sum_to_size``.
+    """
+    sizes = list(grad.shape)
+    target = list(shape)
+    if not any(isinstance(x, torch.SymInt) for x in sizes + target):
+        return grad.sum_to_size(target)
+    from torch.fx.experimental.symbolic_shapes import sym_and
+
+    if not target:
+        return grad.sum()
+    lead = len(sizes) - len(target)
+    dims = list(range(lead))
+    for i in range(lead, len(sizes)):
+        if sym_and(target[i - lead] == 1, sizes[i] != 1):
+            dims.append(i)
+    if dims:
+        grad = grad.sum(dims, keepdim=True)
+    return grad.view(target) if lead > 0 else grad
 
 
 def real_metadata(fn: Any, input_nr: int) -> tuple[Sequence[Any], torch.dtype, torch.device]:
@@ -81,7 +118,7 @@ def validate_outputs(
                     f"Function {name} returned an invalid gradient at index {i} - "
                     f"got {list(grad.shape)} but expected shape compatible with {shape}"
                 )
-            grad = grad.sum_to_size(shape)
+            grad = sum_to(grad, shape)
         if not grad.dtype.is_floating_point and dtype.is_complex != grad.dtype.is_complex:
             raise RuntimeError(
                 f"Function {name} returned an invalid gradient at index {i} - "

@@ -51,8 +51,6 @@ PythonKeyTracer = internals.import_attr("fake_tensor_capture", _PROXY, "PythonKe
 disable_proxy_modes_tracing = internals.import_attr("fake_tensor_capture", _PROXY, "disable_proxy_modes_tracing")
 fetch_object_proxy = internals.import_attr("fake_tensor_capture", _PROXY, "fetch_object_proxy")
 track_tensor_tree = internals.import_attr("fake_tensor_capture", _PROXY, "track_tensor_tree")
-DimDynamic = internals.import_attr("fake_tensor_capture", "torch.fx.experimental.symbolic_shapes", "DimDynamic")
-ShapeEnv = internals.import_attr("fake_tensor_capture", "torch.fx.experimental.symbolic_shapes", "ShapeEnv")
 
 from ..autograd import custom_function, formulas, run_context, saved_variables
 from ..autograd.accumulate import dense_strides
@@ -64,7 +62,7 @@ from ..counters import counters
 from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
-from . import runtime_ops
+from . import runtime_ops, shape_env
 from .shells import LiftedShell
 
 log = logging.getLogger("cagrad")
@@ -341,6 +339,12 @@ class AutogradCompilerInstance:
     more capture when two sizes that were equal in every capture so far
     stop being equal (a batch of 4 beside a layer of width 4), after which
     they stay apart.
+
+    Sizes of 1: ``distinct_slots`` get symbols that may be 1 (range
+    ``[1, inf]``, :func:`cagrad.capture.shape_env.create_symbol`), traced in
+    a :class:`~cagrad.capture.shape_env.TraceShapeEnv`; other slots keep
+    torch's specialization of 0 and 1 (range ``[2, inf]``), and a slot that
+    is 0 at capture stays static.
     """
 
     def __init__(
@@ -371,23 +375,27 @@ class AutogradCompilerInstance:
         self.graph_symints: list[torch.SymInt] = []
         self.symbolic = bool(dynamic_slots)
         if self.symbolic:
-            self.shape_env = ShapeEnv()
+            self.shape_env = shape_env.trace_shape_env()
             self.fake_mode = FakeTensorMode(
                 allow_fallback_kernels=True, allow_non_fake_inputs=False, shape_env=self.shape_env
             )
             by_symbol: dict[Any, torch.SymInt] = {}
             duck: dict[tuple[Any, ...], Any] = {}
             history = distinct_slots if isinstance(distinct_slots, Mapping) else {}
+            zero_one = shape_env.zero_one_symbols()
+            one_symbols = False
             for k in sorted(dynamic_slots):
                 v = values[k]
-                group = (v, k in distinct_slots, history.get(k, ()))
+                distinct = k in distinct_slots
+                group = (v, distinct, history.get(k, ()))
                 sym = duck.get(group)
                 if sym is None:
                     source = ConstantSource(f"size{k}")
-                    sym = self.shape_env.create_symbol(v, source, dynamic_dim=DimDynamic.DYNAMIC)
+                    sym = shape_env.create_symbol(self.shape_env, v, source, zero_one and distinct)
                     duck[group] = sym
+                    one_symbols = one_symbols or (zero_one and distinct and not sym.is_number)
                 if sym.is_number:
-                    continue  # 0 and 1 are specialized: the slot stays static
+                    continue  # a specialized 0 or 1: the slot stays static
                 symint = by_symbol.get(sym)
                 if symint is None:
                     symint = self.shape_env.create_symintnode(sym, hint=v, source=source)
@@ -395,6 +403,13 @@ class AutogradCompilerInstance:
                     self.graph_symbols.append(sym)
                     self.graph_symints.append(symint)
                 self.slot_values[k] = symint
+            # where no symbol may be 1, every query guards as before; and
+            # where a node has more than one input: their number (a split's
+            # outputs) may follow a size, which no key field records, and
+            # the contiguity guards answered without one pinned it
+            self.shape_env.answer_queries = one_symbols and not any(
+                c.node is not None and c.needed and len(c.input_metadata) > 1 for c in task.order
+            )
         else:
             self.shape_env = None
             self.fake_mode = FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=False)
@@ -714,6 +729,8 @@ class AutogradCompilerInstance:
             )
             walk.start(fakes[: self.num_roots])
             walk.run()
+        if self.shape_env is not None:
+            self.shape_env.forget_probe()
         for read in inputs_proxy.node.users:
             # what the trace's fake values (meta["val"], detached) do not keep
             read.meta["cagrad_requires_grad"] = fakes[read.args[1]].requires_grad

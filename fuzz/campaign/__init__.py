@@ -1,7 +1,9 @@
 """The fuzz campaign: generate programs, run the oracle, shrink, record.
 
 A campaign runs in *rounds*. Round ``r`` is one Hypothesis run of
-``@given(programs(...))`` seeded from ``(--seed, r)``: it generates the same
+``@given(programs(...))`` seeded from ``(--seed, r)``, drawing ops by a
+per-round plan that steers toward what earlier rounds covered least
+(:mod:`fuzz.campaign.steer`, :mod:`fuzz.coverage`): it generates the same
 programs in every run, whatever the worker count or shard. Rounds are the
 unit of parallelism and of sharding:
 

@@ -47,6 +47,9 @@ class CampaignConfig:
             None for none).
         neighbours: neighbour programs per agreeing program (see
             :class:`fuzz.oracle.Oracle`).
+        steer: steer each round's op weights toward what earlier rounds
+            covered least (:mod:`fuzz.campaign.steer`); False: the base
+            weights in every round.
     """
 
     budget_s: float
@@ -67,6 +70,7 @@ class CampaignConfig:
     rounds: int | None = None
     known: str | None = None
     neighbours: int = 0
+    steer: bool = True
 
     def shard_text(self) -> str | None:
         return f"{self.shard[0]}/{self.shard[1]}" if self.shard else None

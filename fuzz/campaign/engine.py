@@ -16,10 +16,12 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from fuzz import coverage
 from fuzz.campaign.config import CampaignConfig, CampaignError, atomic_write
 from fuzz.campaign.crash import crash_record, shrink_crash
 from fuzz.campaign.rounds import load_known, make_oracle
 from fuzz.campaign.state import CampaignState
+from fuzz.campaign.steer import Steering
 from fuzz.ir import Program
 from fuzz.workers import Worker, signal_name, timeout_outcome
 
@@ -80,6 +82,7 @@ class Campaign:
         self._exit_status = 0
         self._settled: set[str] = set()
         self._known: Any = None  # fuzz.known.KnownIssues, or None: --known none
+        self.steering = Steering(config.gen, config.seed, config.round_size, config.steer)
 
     @property
     def report_path(self) -> Any:
@@ -103,6 +106,7 @@ class Campaign:
             except KnownIssuesError as e:
                 raise CampaignError(str(e)) from None
         self._pending = self.state.pending_rounds()
+        self.steering = Steering(self.cfg.gen, self.cfg.seed, self.cfg.round_size, self.cfg.steer, self.state.s.get("steering"))
         # an unshrunk failure (a run stopped while shrinking it) is shrunk
         # again when a program hits it
         self._settled = {f["signature"] for f in self.state.s["failures"] if f.get("shrunk", True)}
@@ -124,7 +128,10 @@ class Campaign:
         if self._settled:
             w.send("settled", sorted(self._settled))
         if task is not None:
-            w.assign(task[0], task[1], self._deadline_wall)
+            self._assign(w, task)
+
+    def _assign(self, w: Worker, task: tuple[int, int]) -> None:
+        w.assign(task[0], task[1], self._deadline_wall, self.steering.plan(task[0]).to_json())
 
     # ------------------------------------------------------------- run
     def run(self) -> int:
@@ -195,7 +202,7 @@ class Campaign:
                 if w.round is None and slot not in self.shrinks:
                     task = self._next_task()
                     if task is not None:
-                        w.assign(*task, self._deadline_wall)
+                        self._assign(w, task)
             if not self._busy():
                 return
             now = time.monotonic()
@@ -275,6 +282,8 @@ class Campaign:
             if w.round == r:
                 done = p["done"] and not (self._stopping and self.cfg.max_programs is not None and p["index"] > w.last_gen + 1)
                 self.state.round_ended(r, done, min(p["index"], w.last_gen + 1) if not done else p["index"])
+                if done:
+                    self.steering.done(r)
                 w.round = None
                 self._save()
         elif event == "error":
@@ -332,7 +341,8 @@ class Campaign:
         ]
         if w.phase == "gen" and not (self._stopping and self.cfg.max_programs is not None):
             self.state.count_program(
-                {"ops": program.op_names(), "features": list(program.features()), "outcomes": [], "hits": [],
+                {"ops": program.op_names(), "features": list(program.features()),
+                 "coverage": coverage.program_coverage(program), "outcomes": [], "hits": [],
                  "known": known, "build_error": None}
             )
             self._session_programs += 1
@@ -371,6 +381,7 @@ class Campaign:
         self._session["programs_run"] = self._session_programs
         self._session["elapsed_s"] = round(now, 3)
         self.state.s["elapsed_s"] = self._elapsed_before + now
+        self.state.s["steering"] = self.steering.to_json()
         self.state.save()
         try:
             report = self.state.report(self.names, self.devices, self._throughput(), 1 if self.state.s["failures"] else 0)

@@ -1,8 +1,9 @@
 """One campaign round, run inside a worker process.
 
 A round is one Hypothesis run of ``@given(programs(...))`` seeded from
-``(seed, round)``; it generates the same programs in every run, whatever the
-worker count. Its test body runs each program through the oracle and reports
+``(seed, round)``, drawing ops by its :class:`~fuzz.campaign.steer.RoundPlan`
+(the parent's steering); it generates the same programs in every run,
+whatever the worker count. Its test body runs each program through the oracle and reports
 what happened through ``emit(event, payload)`` (see :mod:`fuzz.workers` for
 the events). A divergence whose signature (:func:`fuzz.signature.make_signature`)
 is already recorded is counted; one matched by the known-issues file is
@@ -24,15 +25,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
+from fuzz import coverage
 from fuzz.campaign.config import CampaignConfig
-from fuzz.interpret import derived_seed
+from fuzz.campaign.steer import RoundPlan, round_seed, round_test
 from fuzz.ir import Program
 from fuzz.oracle import FailureKey, Oracle, Verdict, failure_key
 from fuzz.reduce import complexity, reduce_program
 from fuzz.signature import make_signature
-from fuzz.strategies import programs
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -126,16 +126,18 @@ class RoundRunner:
         self._shrink_deadline = self._reduce_deadline = 0.0
 
     # ------------------------------------------------------------ round
-    def run_round(self, r: int, skip: int, deadline_wall: float) -> None:
+    def run_round(self, r: int, skip: int, deadline_wall: float, plan: RoundPlan | None = None) -> None:
         """Runs round ``r`` from program ``skip`` until it ends (its size, a
         new divergence, exhaustion) or ``deadline_wall`` (``time.time()``)
         passes; emits ``round`` with ``done`` and ``index`` (programs of the
-        round processed, skipped ones included)."""
+        round processed, skipped ones included). ``plan``: the round's op
+        weights and rotation (None: the defaults)."""
         self._reset_round(r, skip)
         self._deadline = deadline_wall
         done = True
         try:
-            self._make_test(derived_seed(self.cfg.seed, f"round/{r}"))()
+            gen = (plan or RoundPlan()).gen(self.cfg.gen)
+            round_test(gen, round_seed(self.cfg.seed, r), self.cfg.round_size, self._body)()
         except Stop:
             done = self.target is not None  # a shrink cut short still ends the round
         except Exception:
@@ -148,25 +150,6 @@ class RoundRunner:
             self._reduce()
             self._emit_failure(shrunk=True)
         self.emit("round", {"round": r, "done": done, "index": self.index})
-
-    def _make_test(self, round_seed: int) -> Any:
-        @settings(
-            max_examples=self.cfg.round_size,
-            database=None,
-            deadline=None,
-            derandomize=False,
-            phases=[Phase.generate, Phase.shrink],
-            report_multiple_bugs=False,
-            suppress_health_check=list(HealthCheck),
-            verbosity=Verbosity.quiet,
-            print_blob=False,
-        )
-        @seed(round_seed)
-        @given(programs(dataclasses.replace(self.cfg.gen, prune=False)))
-        def campaign_round(program: Program) -> None:
-            self._body(program.pruned())
-
-        return campaign_round
 
     # ------------------------------------------------------------- body
     def _check(self, program: Program, only: FailureKey | None = None) -> tuple[Verdict, list[Found]]:
@@ -221,6 +204,7 @@ class RoundRunner:
             "index": self.index - 1,
             "ops": program.op_names(),
             "features": list(program.features()),
+            "coverage": coverage.program_coverage(program),
             "outcomes": _outcome_stats(verdict),
             "build_error": verdict.build_error,
             # kept for build errors and fallbacks (samples of each, for triage)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fuzz import coverage
 from fuzz.campaign.config import CampaignConfig, CampaignError, atomic_write, slug
 from fuzz.ir import Program
 from fuzz.reproducer import write_reproducer
@@ -33,6 +34,9 @@ def new_state(cfg: CampaignConfig) -> dict[str, Any]:
         "programs_run": 0,
         "op_counts": {},
         "feature_counts": {},
+        "coverage_features": {},
+        "coverage_pairs": {},
+        "steering": None,
         "build_errors": 0,
         "outcome_counts": {},
         "fallback_reasons": {},
@@ -130,6 +134,9 @@ class CampaignState:
             s["op_counts"][name] = s["op_counts"].get(name, 0) + 1
         for name in stats["features"]:
             s["feature_counts"][name] = s["feature_counts"].get(name, 0) + 1
+        cov = stats.get("coverage") or {}
+        coverage.add_counts(s.setdefault("coverage_features", {}), cov.get("features", ()))
+        coverage.add_counts(s.setdefault("coverage_pairs", {}), cov.get("pairs", ()))
         for o in stats["outcomes"]:
             where = o["where"]
             per = s["outcome_counts"].setdefault(where, {})
@@ -279,7 +286,10 @@ class CampaignState:
 
         ``schema``, ``seed``, ``budget_s`` (this run's), ``elapsed_s`` and
         ``programs_run`` (the whole campaign, resumed runs added up),
-        ``op_counts``, ``feature_counts``, ``subjects``, ``devices``,
+        ``op_counts``, ``feature_counts``, ``coverage`` (programs per
+        feature and feature pair of :mod:`fuzz.coverage`, and per axis and
+        pair what is covered and what not: :func:`fuzz.coverage.summary`),
+        ``steered`` (whether rounds were steered), ``subjects``, ``devices``,
         ``failures`` (one per signature: ``id``, ``signature``, ``count``,
         ``subject``, ``device``, ``status``, ``kind`` (``crash`` and
         ``timeout`` for a worker that died or hung), ``ops``, ``hooks``,
@@ -325,6 +335,8 @@ class CampaignState:
             "programs_run": s["programs_run"],
             "op_counts": dict(sorted(s["op_counts"].items())),
             "feature_counts": dict(sorted(s["feature_counts"].items())),
+            "coverage": coverage.summary(s.get("coverage_features", {}), s.get("coverage_pairs", {})),
+            "steered": self.cfg.steer,
             "subjects": subjects,
             "devices": devices,
             "failures": failures,

@@ -81,6 +81,47 @@ def counts_figure(counts: dict[str, int], title: str, axis: str) -> go.Figure | 
     return fig
 
 
+def op_share_figure(report: dict[str, Any]) -> go.Figure | None:
+    """Uses per op (``op_counts``) as bars, every op of ``coverage`` included
+    (0 for an op never drawn), with the mean and three times the mean as
+    lines: an op far above them crowds the others out."""
+    counts = dict(report.get("op_counts") or {})
+    groups = (report.get("coverage") or {}).get("feature_groups") or {}
+    for name in (groups.get("op") or {}).get("uncovered", []):
+        counts.setdefault(name.removeprefix("op="), 0)
+    if not counts:
+        return None
+    items = sorted(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    mean = sum(counts.values()) / len(counts)
+    fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h", marker_color="#455a64",
+                           name="uses"))  # fmt: skip
+    for x, label, dash in ((mean, "mean", "dot"), (3 * mean, "3 x mean", "dash")):
+        fig.add_vline(x=x, line_dash=dash, line_color=STATUS_COLOURS["mismatch"], annotation_text=label)
+    fig.update_layout(title="Op coverage: uses per op", xaxis_title="uses in the programs run", height=_bar_height(len(items)),
+                      **_LAYOUT)  # fmt: skip
+    fig.update_yaxes(type="category", automargin=True)
+    return fig
+
+
+def coverage_figure(report: dict[str, Any]) -> go.Figure | None:
+    """Stacked bars per axis and pair of axes (``coverage``): how many of its
+    values (pairs) some program had, and how many none had."""
+    cov = report.get("coverage") or {}
+    groups = {**(cov.get("feature_groups") or {}), **(cov.get("pair_groups") or {})}
+    if not groups:
+        return None
+    names = list(groups)
+    fig = go.Figure()
+    fig.add_trace(go.Bar(name="covered", y=names, x=[groups[n]["covered"] for n in names], orientation="h",
+                         marker_color=STATUS_COLOURS["equal"]))  # fmt: skip
+    fig.add_trace(go.Bar(name="never seen", y=names, x=[groups[n]["total"] - groups[n]["covered"] for n in names],
+                         orientation="h", marker_color=STATUS_COLOURS["mismatch"]))  # fmt: skip
+    fig.update_layout(title="Features and feature pairs covered", barmode="stack", xaxis_title="values (pairs)",
+                      height=_bar_height(len(names)) + 60, legend=dict(orientation="h", y=-0.2), **_LAYOUT)  # fmt: skip
+    fig.update_yaxes(type="category", automargin=True, autorange="reversed")
+    return fig
+
+
 def outcomes_figure(report: dict[str, Any]) -> go.Figure | None:
     """Stacked bars: outcomes (equal, mismatch, error, ...) per ``subject@device``."""
     per_subject = report.get("outcome_counts") or {}

@@ -2,7 +2,9 @@
 
 The page is rendered by a jinja2 template (``templates/report.html.j2``,
 autoescaped) with plotly.js inlined once in its head, so it needs no
-network. Sections: summary, programs over time, op and feature coverage,
+network. Sections: summary, programs over time, op and feature coverage
+(uses per op against their mean, features and feature pairs of
+:mod:`fuzz.coverage` covered and never seen),
 outcomes per subject, failures by signature (each reproducer's text inline,
 collapsible), known issues, build errors, fallback reasons, captures per
 size variant. A section whose data the report lacks (an older schema) says
@@ -87,6 +89,32 @@ def _unused_ops(report: dict[str, Any]) -> list[str]:
     return sorted(name for name in OPS if name not in used)
 
 
+def _coverage_rows(report: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per axis and pair of axes of ``coverage``: covered, total, the names never seen (None: not recorded)."""
+    cov = report.get("coverage")
+    if cov is None:
+        return None
+    rows = []
+    for kind, key in (("feature", "feature_groups"), ("pair", "pair_groups")):
+        for group, g in (cov.get(key) or {}).items():
+            rows.append({"kind": kind, "group": group, "covered": g["covered"], "total": g["total"], "uncovered": g["uncovered"]})
+    return rows
+
+
+def _op_stats(report: dict[str, Any]) -> str | None:
+    """One line on how evenly ops were drawn: uses, mean per op, the most used op and its multiple of the mean."""
+    counts = report.get("op_counts") or {}
+    groups = (report.get("coverage") or {}).get("feature_groups") or {}
+    n_ops = (groups.get("op") or {}).get("total") or len(counts)
+    uses = sum(counts.values())
+    if not uses or not n_ops:
+        return None
+    mean = uses / n_ops
+    name, top = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    return (f"{uses:,} op uses over {n_ops} ops: {mean:.1f} per op on average; the most used, {name}, "
+            f"{top:,} ({top / uses:.1%}, {top / mean:.2f} x the mean)")  # fmt: skip
+
+
 def _failures(rep: CampaignReport) -> list[dict[str, Any]]:
     rows = []
     for i, f in enumerate(rep.data["failures"]):
@@ -141,7 +169,8 @@ def render_html(rep: CampaignReport) -> str:
     d = rep.data
     figs = {
         "timeline": figures.timeline_figure(d),
-        "ops": figures.counts_figure(d.get("op_counts") or {}, "Op coverage: uses per op", "uses in the programs run"),
+        "ops": figures.op_share_figure(d),
+        "coverage": figures.coverage_figure(d),
         "features": figures.counts_figure(
             d.get("feature_counts") or {}, "Feature coverage: programs per feature", "programs that had it"
         ),
@@ -172,6 +201,9 @@ def render_html(rep: CampaignReport) -> str:
         has_op_counts="op_counts" in d,
         unused_ops=_unused_ops(d) if "op_counts" in d else [],
         has_feature_counts="feature_counts" in d,
+        coverage_rows=_coverage_rows(d),
+        op_stats=_op_stats(d),
+        steered=d.get("steered"),
         has_outcomes="outcome_counts" in d,
         has_captures="sequence_captures" in d,
         sequence_captures=d.get("sequence_captures") or {},

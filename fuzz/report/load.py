@@ -3,8 +3,9 @@
 The shape is checked with a JSON Schema (:data:`REPORT_SCHEMA`, by the
 ``jsonschema`` library): the fields that schema 1 always had are required,
 the fields schema 2 added (``known``, ``throughput``, ``timeline``,
-``shard``, ``exit_status``, crash/timeout failures) are optional, so that
-an older report still loads and its missing sections say so.
+``shard``, ``exit_status``, crash/timeout failures, later ``coverage`` and
+``steered``) are optional, so that an older report still loads and its
+missing sections say so.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ SCHEMAS = (1, 2)
 _COUNTS = {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
 _NUMBER = {"type": "number", "minimum": 0}
+_GROUPS = {  # fuzz.coverage.summary: per axis or pair of axes
+    "type": "object",
+    "additionalProperties": {
+        "type": "object",
+        "required": ["total", "covered", "uncovered"],
+        "properties": {
+            "total": {"type": "integer", "minimum": 0},
+            "covered": {"type": "integer", "minimum": 0},
+            "uncovered": _STRINGS,
+        },
+    },
+}
 
 REPORT_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -34,6 +47,13 @@ REPORT_SCHEMA: dict[str, Any] = {
         "programs_run": {"type": "integer", "minimum": 0},
         "op_counts": _COUNTS,
         "feature_counts": _COUNTS,
+        # programs per feature and pair of fuzz.coverage, and what is (not) covered
+        "coverage": {
+            "type": "object",
+            "required": ["features", "pairs", "feature_groups", "pair_groups"],
+            "properties": {"features": _COUNTS, "pairs": _COUNTS, "feature_groups": _GROUPS, "pair_groups": _GROUPS},
+        },
+        "steered": {"type": "boolean"},
         "subjects": _STRINGS,
         "devices": _STRINGS,
         "failures": {

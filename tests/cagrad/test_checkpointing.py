@@ -179,6 +179,10 @@ def test_selective_checkpoint_around_a_compiled_module(backend):
     # checkpoint's hooks hold: cagrad runs it as it is, unpacking them once
     def build():
         torch._dynamo.reset()
+        if torch.cuda.is_available():
+            # on a GPU host torch.compile initializes CUDA, and checkpoint
+            # refuses a device initialized inside its forward (eager too)
+            torch.cuda.init()
         lins = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
         compiled = torch.compile(lins, backend="aot_eager")
         x = torch.randn(2, 4, requires_grad=True)

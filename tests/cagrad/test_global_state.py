@@ -333,3 +333,65 @@ def test_import_and_first_backward_of_a_process_leave_the_state_alone() -> None:
     assert out["import"] == []
     assert out["first_backward"] == []
     assert out["reseeded"]
+
+
+# -- CUDA stays uninitialized by a CPU program's compile ------------------------------------------
+
+
+def test_a_cpu_compile_does_not_read_the_cuda_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine with a GPU where CUDA is not initialized yet: the
+    aot_eager compile of a CPU backward must not read the CUDA generator
+    (reading it creates a CUDA context eager never creates). Here
+    ``torch.cuda`` pretends to be available, and reading its generator is
+    recorded and refused."""
+    reads: list[str] = []
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        reads.append("get_rng_state")
+        raise AssertionError("the CUDA generator was read: CUDA would be initialized")
+
+    w = torch.rand(5, 3, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad((w.exp() * w).sum(), w)
+    cagrad.reset()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", refuse)
+    with cagrad.enable("aot_eager"):
+        (w.exp() * w).sum().backward()
+    assert reads == []
+    assert cagrad.counters["captures"] == 1 and cagrad.counters["fallbacks"] == 0
+    assert torch.equal(w.grad, expected[0])
+    import torch._functorch.aot_autograd as aot
+
+    assert not hasattr(aot.preserve_rng_state, "cagrad_original")  # put back after the compile
+
+
+_CPU_ON_GPU_HOST = textwrap.dedent(
+    """
+    import json, torch, cagrad
+    out = {}
+    for backend in ("eager", "aot_eager", "inductor"):
+        w = torch.rand(8, 8, requires_grad=True)
+        with cagrad.enable(backend):
+            (w.exp() @ w).sin().sum().backward()
+        out[backend] = torch.cuda.is_initialized()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.cuda
+def test_a_cpu_program_leaves_cuda_uninitialized_on_a_gpu_host() -> None:
+    """Eager never initializes CUDA for a CPU program; neither does a CPU
+    backward's capture and compile under the eager and aot_eager backends
+    (a fresh process: the suite's own CUDA tests initialize it in this one).
+    Under inductor it does, as torch.compile's does: inductor's cache keys
+    read the GPU's name (``CacheBase.get_system``; docs/global-state.md),
+    and the assertion says so."""
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH")] if p))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CPU_ON_GPU_HOST], capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"eager": False, "aot_eager": False, "inductor": True}

@@ -286,3 +286,20 @@ def test_import_on_a_torch_without_several_internals():
         "reasons": {"internal:graph_task_queries": 1},
         "off": ["function_apply", "graph_task_queries", "saved_tensor_hooks"],
     }
+
+
+def test_dynamo_preserve_rng_state(broken):
+    """Dynamo's preserve_rng_state gone: the swap that keeps CUDA
+    uninitialized turns off (lazy_cuda), and compiles go on unchanged."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from cagrad.preserve import cuda_left_uninitialized
+
+    broken.delattr(dynamo_utils, "preserve_rng_state")
+    internals.recheck()
+    broken.setattr(torch.cuda, "is_available", lambda: True)
+    broken.setattr(torch.cuda, "is_initialized", lambda: False)
+    with cuda_left_uninitialized():
+        pass
+    assert internals.why("dynamo_preserve_rng_state") == "torch._dynamo.utils lacks preserve_rng_state"
+    assert cagrad.counters["disabled_features"] == {"lazy_cuda": 1}

@@ -10,6 +10,8 @@ every capture (:class:`cagrad.capture.compiler.AutogradCompilerInstance`).
 Before, two experts' counts that happened to be equal at the dynamic
 capture shared a symbol, and the next step that told them apart captured
 again, until ``too_many_size_variants`` sent the layer to eager for good.
+Counts of 1 are symbols too (:mod:`cagrad.capture.shape_env`); counts
+of 0 are still specialized.
 """
 
 from __future__ import annotations
@@ -114,13 +116,25 @@ def test_varying_expert_counts_settle_at_two_captures():
     assert c["captures"] == 2 and c["cache_hits"] == steps - 2
 
 
+def test_expert_counts_of_one_settle_at_two_captures():
+    """50 steps whose counts include 1 (each at least 1 after the first
+    step, which sends one expert no token and another one): the counts'
+    symbols may be 1 (:mod:`cagrad.capture.shape_env`), so a static
+    capture and a dynamic one serve every step (before: 3 captures)."""
+    steps = 50
+    _check(_count_sets(2, 1, steps), steps)
+    c = cagrad.counters
+    assert c["fallbacks"] == 0, dict(c["fallback_reasons"])
+    assert c["captures"] == 2 and c["cache_hits"] == steps - 2
+
+
 @pytest.mark.xfail(
     strict=True,
-    reason="sizes 0 and 1 are specialized: an expert with no token or one recaptures "
+    reason="a count of 0 is specialized: an expert with no token recaptures "
     "(docs/checkpointing-and-dynamic-sizes.md)",
 )
 def test_expert_counts_of_zero_and_one_settle_at_two_captures():
-    steps = 12
+    steps = 50
     _check(_count_sets(2, 0, steps), steps)
     c = cagrad.counters
     assert c["fallbacks"] == 0, dict(c["fallback_reasons"])

@@ -39,6 +39,11 @@ def test_every_function_passes_its_self_test(built):
     assert native.collect_fn() is not None
     assert native.walk_fn() is not None
     assert accumulate._native_fns() is not None
+    # each switched off on its own (a survivor of the mutation run made
+    # hookless()'s self-test fail, and only a warning said so)
+    assert native.hookless_fn() is not None
+    assert native.sole_fn() is not None
+    assert native.reclaim_fn() is not None
 
 
 def test_loading_the_extension_leaves_the_rng_as_it_was(built, monkeypatch):
@@ -64,6 +69,31 @@ def test_collects_self_test_rejects_a_runner_that_disagrees(built):
 
     with pytest.raises(RuntimeError, match="collect"):
         self_tests.collect(skips_leaves, readers)
+
+
+def test_collects_self_test_rejects_a_runner_with_the_right_verdict_and_wrong_outputs(built):
+    """A runner that accepts and rejects as Python does but fills in a wrong
+    value, or the wrong tensors, fails the self-test too (a survivor of the
+    mutation run, docs/mutation-testing.md: the check of the values was
+    weakened and no killer noticed)."""
+    from cagrad.native import self_tests
+
+    readers = native.metadata_fns()
+    real = native.collect_fn()
+
+    def extra_value(nodes, program, values, tensors):
+        ok = real(nodes, program, values, tensors)
+        values.append(-1)
+        return ok
+
+    def extra_tensor(nodes, program, values, tensors):
+        ok = real(nodes, program, values, tensors)
+        tensors.append(torch.zeros(()))
+        return ok
+
+    for runner in (extra_value, extra_tensor):
+        with pytest.raises(RuntimeError, match="collect"):
+            self_tests.collect(runner, readers)
 
 
 def test_walks_self_test_rejects_a_walk_that_disagrees(built):

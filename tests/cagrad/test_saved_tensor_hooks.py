@@ -57,3 +57,37 @@ def test_checkpoint(use_reentrant):
         return [x.grad, lin.weight.grad, lin.bias.grad]
 
     check(build)
+
+
+
+def test_nodes_saved_in_more_hook_scopes_than_kept_run_their_hooks(monkeypatch):
+    """More scopes of saved-tensor hooks than the intervals cagrad keeps: the
+    oldest two are merged, and the nodes saved in every scope still run their
+    unpack hooks as in eager (a survivor of the mutation run,
+    docs/mutation-testing.md: the merged interval put out of order made a
+    node of the third-oldest scope look hook-free, and no check noticed)."""
+    from cagrad.autograd import saved_variables
+
+    monkeypatch.setattr(saved_variables, "_MAX_INTERVALS", 4)  # merges after 4 scopes, not 256
+
+    def build(tr):
+        saved_variables._intervals.clear()  # this run's scopes are the oldest
+
+        def unpacker(k):
+            def unpack(t):
+                tr.append((f"unpack {k}", t))
+                return t
+
+            return unpack
+
+        xs = [torch.randn(3, requires_grad=True) for _ in range(7)]
+        ys = []
+        for k, x in enumerate(xs):
+            torch.ones(1, requires_grad=True).exp()  # a node between two scopes keeps their intervals apart
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, unpacker(k)):
+                ys.append(x.exp())
+        sum(y.sum() for y in ys).backward()
+        return [x.grad for x in xs]
+
+    trace = check(build)
+    assert sorted(kind for kind, _ in trace) == [f"unpack {k}" for k in range(7)]

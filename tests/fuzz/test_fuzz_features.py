@@ -516,6 +516,8 @@ def test_cagrad_agrees_with_eager_on_programs_with_pure_hooks(cagrad_oracle: Ora
 
 @pytest.fixture(scope="module")
 def torch_ca_oracle() -> Oracle:
+    if torch.cuda.is_available():
+        torch.cuda.init()  # see tests/conftest.py cuda_ready_for_torch_ca
     return Oracle(["torch_ca[eager]"], devices=["cpu"])
 
 

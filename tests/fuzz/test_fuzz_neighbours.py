@@ -88,13 +88,15 @@ def test_neighbours_are_deterministic_valid_and_change_one_thing() -> None:
             expected = {
                 "attr": [["ops"]], "edge": [["ops"]], "dtype": [["leaves"]], "size": [["leaves"]],
                 "requires_grad": [["leaves"]], "hook": [["hooks"]], "values": [["seed"]],
-                "alias": [["ops"], ["leaves", "ops"]],
+                "alias": [["ops"], ["leaves", "ops"]], "train": [["train"], ["checkpoint"]],
                 "graph": [["func_terms"], ["double_backward"], ["subclass_leaves"], ["roots"]],
             }[nb.kind]
             assert changed in expected, (nb.label, changed)
     # a value without grad used twice is rare in generated programs, and so
-    # are graph features: the alias and graph kinds have their own tests
-    assert kinds | {"alias", "graph"} == set(CHANGE_KINDS)
+    # are graph features and training features: the alias and graph kinds
+    # have their own tests below, the train kind its own in
+    # test_fuzz_training.py
+    assert kinds | {"alias", "graph", "train"} == set(CHANGE_KINDS)
 
 
 def test_labels_name_the_change() -> None:
@@ -196,12 +198,14 @@ def test_a_campaign_of_generated_programs_finds_the_planted_fault(
     """As a campaign would: generated programs (whole catalog), 2
     neighbours, stop at the first failure, within 300 programs (bounded by
     count, not time, so a busy machine cannot fail it); the fault here is
-    SoftmaxBackward0's key leaving out ``dim`` (program 298 of 300 meets it;
-    FlipBackward0's ``dims`` stopped being met within 300 when the graph
-    features' ops joined the catalog). Without graph features: they meet
-    two cagrad divergences of their own first (a root moved to another
-    output of aminmax hits the entry of the first; the create_graph grad
-    of a one-element prod has no graph), which the campaign reports."""
+    SoftmaxBackward0's key leaving out ``dim`` (program 203 of 300 meets it;
+    seeds and faults move whenever generation changes: FlipBackward0's
+    ``dims`` stopped being met within 300 when the graph features' ops
+    joined the catalog, TransposeBackward0's ``dim0`` when the graph and
+    training features were merged). Without graph features: they meet two
+    cagrad divergences of their own first (a root moved to another output
+    of aminmax hits the entry of the first; the create_graph grad of a
+    one-element prod has no graph), which the campaign reports."""
     generated = _generated(300, graph_features=False)
     plant(monkeypatch, "SoftmaxBackward0", "dim")
     oracle = Oracle(["cagrad[eager]"], devices=["cpu"], neighbours=2)
@@ -280,10 +284,11 @@ def test_a_two_minute_campaign_finds_a_planted_key_fault_as_a_cache_divergence(t
     subject whose key leaves ``dim`` out of CumsumBackward0's
     (tests/fuzz/planted_key_fault.py) records a ``cache`` failure whose
     reproducer replays the neighbour sequence. Seed 6 meets it within 40
-    programs (seed 1 stopped meeting it within 40 when size sequences began
-    to repeat steps, seed 4 when the graph features joined the catalog);
-    the campaign stops at 40 programs, so a slow machine cannot make the
-    test miss it."""
+    programs (seeds move whenever generation changes: seed 1 stopped meeting
+    it within 40 when size sequences began to repeat steps, seed 4 when the
+    graph features joined the catalog, seed 71 when the graph and training
+    features were merged); the campaign stops at 40 programs, so a slow
+    machine cannot make the test miss it."""
     import json
     import subprocess
     import sys

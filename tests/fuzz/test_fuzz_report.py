@@ -57,6 +57,19 @@ def _schema2() -> dict[str, Any]:
         "programs_run": 500,
         "op_counts": {"mul": 120, "sin": 80, "neg": 3},
         "feature_counts": {"hook:tensor.zero": 11, "mode:grad": 40},
+        "coverage": {
+            "features": {"op=mul": 100, "op=sin": 70, "op=neg": 3, "mode=grad": 40},
+            "pairs": {"loss=sum & mode=grad": 40},
+            "feature_groups": {"op": {"total": 5, "covered": 3, "uncovered": ["op=exp", "op=bmm"]}},
+            "pair_groups": {
+                "loss x mode": {
+                    "total": 4,
+                    "covered": 1,
+                    "uncovered": ["loss=sum & mode=backward", "loss=separate & mode=backward", "loss=separate & mode=grad"],
+                }
+            },
+        },
+        "steered": True,
         "subjects": ["cagrad[eager]", "torch_ca[eager]", "broken"],
         "devices": ["cpu"],
         "failures": [
@@ -102,7 +115,7 @@ def _schema2() -> dict[str, Any]:
 
 def _schema1() -> dict[str, Any]:
     d = _schema2()
-    for field in ("known", "throughput", "timeline", "shard", "exit_status", "sequence_captures"):
+    for field in ("known", "throughput", "timeline", "shard", "exit_status", "sequence_captures", "coverage", "steered"):
         del d[field]
     d["schema"] = 1
     d["failures"] = d["failures"][:2]
@@ -141,7 +154,7 @@ def test_html_is_one_offline_file_with_every_section(page2):
     assert len(page) > 1_000_000  # plotly.js is inlined, not fetched
     for section in SECTIONS:
         assert f'<section id="{section}">' in page
-    for plot in ("timeline", "ops", "features", "outcomes", "captures"):
+    for plot in ("timeline", "ops", "features", "coverage", "outcomes", "captures"):
         assert f'id="plot-{plot}"' in page
     assert "not recorded" not in page.lower()
 
@@ -162,6 +175,25 @@ def test_html_summary_and_tables_hold_the_report_numbers(page2):
     assert '<a href="https://github.com/pytorch/pytorch/issues/1">' in page
     assert "runs &lt;pre&gt; hooks late" in page
     assert "build_errors/B001.json" in page and "unsupported hook" in page
+
+
+def test_html_coverage_section_shows_op_shares_and_what_was_never_seen(page2):
+    _, page = page2
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+    # op_counts: 120 + 80 + 3 = 203 uses over the 5 ops of feature_groups.op: 40.6
+    # per op; mul has 120 = 59.1 % of them, 120 / 40.6 = 2.96 x the mean
+    assert "203 op uses over 5 ops: 40.6 per op on average; the most used, mul, 120 (59.1%, 2.96 x the mean)" in text
+    assert "steered toward what earlier rounds covered least" in text
+    assert "op 3 5 2 op=exp, op=bmm" in text
+    assert "loss x mode 1 4 3 loss=sum & mode=backward, loss=separate & mode=backward" in html.unescape(text)
+    assert 'id="plot-coverage"' in page
+
+
+def test_coverage_of_the_wrong_shape_is_named(tmp_path):
+    report = _schema2()
+    report["coverage"]["pair_groups"]["loss x mode"]["uncovered"] = "loss=sum"
+    with pytest.raises(ReportError, match=r"coverage\.pair_groups\['loss x mode'\]\.uncovered: 'loss=sum' is not of type 'array'"):
+        load_report(_write_out(tmp_path, report))
 
 
 def test_html_inlines_every_reproducer_escaped(page2):
@@ -219,6 +251,7 @@ def test_schema1_report_says_what_is_missing(tmp_path):
     assert "this report (schema 1) has no <code>timeline</code>" in page
     assert "this report (schema 1) has no <code>known</code>" in page
     assert "no <code>sequence_captures</code>" in page
+    assert "this report has no <code>coverage</code>" in page
     # programs/s from programs_run / elapsed_s when throughput was not recorded
     assert "12.50 (programs / elapsed; not recorded)" in page
     suite = ET.parse(tmp_path / "j.xml").getroot().find("testsuite")

@@ -34,12 +34,15 @@ def _program(op: str = "mul_scalar") -> Program:
     )
 
 
-def _run(path: Path, *args: str, uninstalled: bool = False) -> subprocess.CompletedProcess:
+def _run(path: Path, *args: str, uninstalled: bool = False, gpus: bool = True) -> subprocess.CompletedProcess:
     """Runs ``python FILE`` from the file's own directory. ``uninstalled``:
     with ``-S`` and only the site-packages directories on PYTHONPATH, so that
     no .pth file (an editable install of this project) is processed and the
-    file has to find fuzz and harness through its PROJECT_ROOT."""
+    file has to find fuzz and harness through its PROJECT_ROOT. ``gpus``
+    False: the child sees no GPU."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, str(path), *args]
     if uninstalled:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))
@@ -51,7 +54,9 @@ def test_reproducer_exits_0_for_a_clean_program(tmp_path: Path) -> None:
     path = write_reproducer(
         tmp_path / "clean.py", _program("sin"), subjects=["eager", "torch_ca[eager]"], devices=["cpu"]
     )
-    proc = _run(path)
+    # no GPU for the child: torch_ca would create a CUDA context there (the
+    # known state difference torch-ca-cuda-init), which is not this test's
+    proc = _run(path, gpus=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout and "torch_ca[eager]" in proc.stdout
 

@@ -25,7 +25,7 @@ def _assert_all_equal(report: harness.DifferentialReport, allowed=(Status.EQUAL,
 
 
 @pytest.mark.parametrize("mode", ["backward", "grad"])
-def test_mlp_agrees_under_torch_compiled_autograd(mode):
+def test_mlp_agrees_under_torch_compiled_autograd(mode, cuda_ready_for_torch_ca):
     report = harness.run_differential(examples.mlp_program(mode), TORCH_CA, devices="cpu")
     _assert_all_equal(report)
     assert [o.subject for o in report.outcomes] == TORCH_CA

@@ -10,7 +10,7 @@ from harness import Status, examples
 
 @pytest.mark.inductor
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit deprecation inside inductor
-def test_mlp_agrees_under_inductor():
+def test_mlp_agrees_under_inductor(cuda_ready_for_torch_ca):
     report = harness.run_differential(
         examples.mlp_program("backward"), ["torch_ca[inductor]", "cagrad[inductor]"], devices="cpu"
     )

@@ -1,0 +1,334 @@
+"""The ShapeEnv of a symbolic trace: sizes of 1 as symbols.
+
+torch's ShapeEnv specializes 0 and 1 (``specialize_zero_one``): a size that
+is 0 or 1 when its symbol is made becomes a constant, and every symbol gets
+the range ``[2, inf]``. For sizes that change from backward to backward (a
+mixture of experts whose router sends an expert no token, one, or many)
+that meant one capture per pattern of which sizes were 0, 1 or more, up to
+``too_many_size_variants``. The slots that changed since the first capture
+are therefore traced with symbols that may be 1 (:func:`create_symbol`,
+range ``[1, inf]``); 0 stays specialized (see :func:`create_symbol`).
+
+With those symbols the trace asks many questions whose answer differs at 1
+(``Ne(s, 1)``, ``s*d >= 2``), nearly all through torch's
+``guard_or_false``/``guard_or_true``, which guard on the hint's answer for
+a symbol with a hint. Each guard keeps the values on the other side out of
+the graph, so the symbols split again. :class:`TraceShapeEnv` answers the
+``guard_or_*`` queries of a few torch functions without a guard, each for a
+reason that makes the graph, its sizes and the fake tensors' strides the
+same as with the guard at every value the variant's check accepts:
+
+* ``torch.fx.passes.shape_prop._extract_tensor_metadata``: the answers only
+  fill ``node.meta["tensor_meta"]`` (contiguity and memory-format flags;
+  the query's fallback there means "not known", as torch's own
+  ``backed_size_oblivious`` answers); the ops, their arguments and
+  ``meta["val"]`` do not depend on them.
+* ``torch._prims_common.is_contiguous_for_memory_format_or_false``: an
+  ``*_or_false`` function returns True only for what holds at every value
+  when each undecided query gets its fallback (that is what makes it sound
+  for torch's unbacked sizes). So it is first run as a *probe* with every
+  undecided query answered by its fallback and any other guard refused;
+  where the probe returns True, the real call gets the same answers (no
+  guard) and returns True, which holds at every value; else the real call
+  guards as before and returns the hint's answer, which the guards keep.
+* ``torch._refs._broadcast_shapes``, ``torch._subclasses.fake_impls.
+  infer_size`` (the broadcast shape of the binary ops' fast path) and the
+  two broadcast-dimension queries of ``torch._prims._broadcast_in_dim_meta``
+  (is the size 1; is it the target size): on the fallback path each adds
+  ``torch._check(a == b)`` (a guard here) where it assumes that two sizes
+  are equal, and with them equal the other path gives the same shape or
+  stride. ``should_expand`` in ``torch._refs._maybe_broadcast``: either it
+  checks ``a == b`` the same way, or its fallback asks for an ``expand``
+  that the other path would skip, and ``expand`` of a tensor to its own
+  shape keeps its sizes and strides (the broadcast-dimension queries
+  above, and ATen's ``expand``). The new-dimension query of
+  ``_broadcast_in_dim_meta`` (stride 0 for a new dimension of size 1, where
+  the other path gives another stride) is not one of them: it guards.
+
+The compiler turns this on (``answer_queries``) only for a trace with a
+symbol that may be 1 and no node of more than one input: the number of a
+node's inputs can follow a size (the outputs of ``x.split(1)``) without a
+key field for it, and the contiguity guards of ``tensor_meta`` were what
+pinned such a size (docs/checkpointing-and-dynamic-sizes.md).
+
+Each function is recognized by its code object, and only while its source
+is one of the versions read for this (torch 2.13.0 and 2.14.1: a hash of
+the source of it and of the functions it calls); with any other source it
+guards as before, so a torch that changed one of them costs captures, not
+correctness. Every other query (fake kernels' output strides, C++
+autograd formulas, cagrad's own code) guards as before. torch's
+``backed_size_oblivious`` is not used: it answers every such query by its
+fallback, which takes the general branch where eager would branch on a
+size of 1 (``squeeze``, broadcasting, layouts), a silent difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import sympy
+
+from .. import internals
+
+log = logging.getLogger("cagrad")
+
+_SYMBOLIC = "torch.fx.experimental.symbolic_shapes"
+ShapeEnv = internals.import_attr("fake_tensor_capture", _SYMBOLIC, "ShapeEnv")
+DimDynamic = internals.import_attr("fake_tensor_capture", _SYMBOLIC, "DimDynamic")
+
+# sha256 (first 16 hex digits) of the sources read for the module docstring,
+# per function, in torch 2.13.0 and 2.14.1 (2.14 changed a comment of
+# _broadcast_shapes)
+_AUDITED = {
+    "_extract_tensor_metadata": None,  # any source: its results are metadata
+    "_broadcast_shapes": {"c3cb6eddc6fdcdb2", "19c3eba9fcaac2f8"},
+    "_maybe_broadcast": {"9d63ec7ef7d2f6d7"},
+    "infer_size": {"9cd1699ff3093887"},
+    "_broadcast_in_dim_meta": {"b1f82204db3830a3"},
+    "is_contiguous_for_memory_format_or_false": {"ef05bf3b858e3098"},
+    "is_contiguous_for_memory_format": {"6dc8b99bf2613652"},
+    "is_contiguous": {"84b17cdf34b996fa"},
+    "check_contiguous_sizes_strides": {"eba4d232cddd0629"},
+    "is_channels_last_contiguous_2d": {"722c95692d6dee32"},
+    "is_channels_last_contiguous_3d": {"16debccc6924701b"},
+}
+
+# the two queries of _broadcast_in_dim_meta answered without a guard
+_BROADCAST_DIM_QUERIES = (
+    "guard_or_false(a.shape[original_idx] == 1)",
+    "guard_or_false(a.shape[original_idx] == shape[idx])",
+)
+
+METADATA, EXACT, PROBE = "metadata", "exact", "probe"
+
+
+def _source_hash(fn: Any) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+def _audited(fns: dict[str, Any]) -> bool:
+    for name, fn in fns.items():
+        want = _AUDITED[name]
+        if want is not None and _source_hash(fn) not in want:
+            log.info("cagrad: torch's %s is not the version read for sizes of 1; its queries guard", name)
+            return False
+    return True
+
+
+def _sites() -> tuple[dict[Any, tuple[str, frozenset[int] | None]], Callable[..., Any] | None]:
+    """``{code object: (kind, lines or None)}`` of the functions whose
+    queries are answered without a guard, and the probed function."""
+    sites: dict[Any, tuple[str, frozenset[int] | None]] = {}
+    probe = None
+    try:
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        sites[_extract_tensor_metadata.__code__] = (METADATA, None)
+    except Exception:  # an unknown torch: nothing is answered without a guard
+        return {}, None
+    try:
+        import torch._prims as prims
+        import torch._prims_common as common
+        import torch._refs as refs
+
+        if _audited({"_broadcast_shapes": refs._broadcast_shapes, "_maybe_broadcast": refs._maybe_broadcast}):
+            sites[refs._broadcast_shapes.__code__] = (EXACT, None)
+            for const in refs._maybe_broadcast.__code__.co_consts:
+                if inspect.iscode(const) and const.co_name == "should_expand":
+                    sites[const] = (EXACT, None)
+        from torch._subclasses import fake_impls
+
+        if _audited({"infer_size": fake_impls.infer_size}):
+            sites[fake_impls.infer_size.__code__] = (EXACT, None)
+        meta = prims._broadcast_in_dim_meta
+        if _audited({"_broadcast_in_dim_meta": meta}):
+            lines, first = inspect.getsourcelines(meta)
+            numbers = frozenset(
+                first + i for i, line in enumerate(lines) if any(q in line for q in _BROADCAST_DIM_QUERIES)
+            )
+            if len(numbers) == len(_BROADCAST_DIM_QUERIES):
+                sites[meta.__code__] = (EXACT, numbers)
+        names = (
+            "is_contiguous_for_memory_format_or_false",
+            "is_contiguous_for_memory_format",
+            "is_contiguous",
+            "check_contiguous_sizes_strides",
+            "is_channels_last_contiguous_2d",
+            "is_channels_last_contiguous_3d",
+        )
+        if _audited({name: getattr(common, name) for name in names}):
+            probe = common.is_contiguous_for_memory_format_or_false
+            sites[probe.__code__] = (PROBE, None)
+    except Exception:  # any failure leaves the sites found so far
+        log.info("cagrad: reading torch's broadcasting and contiguity functions failed", exc_info=True)
+    return sites, probe
+
+
+_SITES: dict[Any, tuple[str, frozenset[int] | None]] | None = None
+_PROBED: Callable[..., Any] | None = None
+
+# frames searched above ShapeEnv.evaluate_expr for one of the sites (the
+# deepest chain, _extract_tensor_metadata -> ... -> evaluate_expr, is 8)
+_MAX_DEPTH = 24
+
+
+def zero_one_symbols() -> bool:
+    """Whether slots that changed are traced as symbols that may be 1 (this
+    torch has at least the metadata function; without it such a symbol
+    would split on the metadata's guards anyway)."""
+    _load()
+    return bool(_SITES) and not isinstance(ShapeEnv, internals.Missing)
+
+
+def create_symbol(env: Any, value: int, source: Any, zero_one: bool) -> Any:
+    """A symbol of ``env`` for a size slot of ``value`` (``DYNAMIC``: no
+    duck sizing, the caller does that), or the constant a specialized value
+    becomes.
+
+    ``zero_one``: a value of 1 is a symbol too, and the symbol's range is
+    ``[1, inf]`` (``do_not_specialize_zero_one``); 0 stays specialized.
+    torch's backed size symbols carry sympy's ``positive`` assumption, with
+    which sympy decides ``Eq(s, 0)`` (and ``6*s < 2``) to be False on its
+    own, so a symbol that may be 0 would be wrong at 0 without a guard.
+    Without that assumption (as torch makes its unbacked sizes) the trace
+    guards ``Ne(s, 0)`` in the C++ storage-size computation of every fake
+    tensor made with the symbol (``empty_strided`` in
+    ``torch._subclasses.fake_impls.constructors``) and in
+    ``scatter_gather_dtype_check`` (``index.numel() != 0``), which split 0
+    off again (docs/checkpointing-and-dynamic-sizes.md). Else: torch's
+    default (0 and 1 specialized, range ``[2, inf]``).
+    """
+    if not zero_one or value == 0:
+        return env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
+    from torch.utils._sympy.numbers import int_oo
+
+    sym = env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True)
+    env.constrain_symbol_range(sym, 1, int_oo)
+    return sym
+
+
+def _load() -> None:
+    global _SITES, _PROBED
+    if _SITES is None:
+        _SITES, _PROBED = _sites()
+
+
+class _ProbeRefused(Exception):
+    """A probe asked for a guard (it answers only ``guard_or_*`` queries)."""
+
+
+def trace_shape_env() -> Any:
+    """A fresh :class:`TraceShapeEnv`."""
+    return _trace_shape_env_class()()
+
+
+_cls: Any = None
+
+
+def _trace_shape_env_class() -> Any:
+    global _cls
+    if _cls is None:
+        _load()
+
+        class TraceShapeEnv(ShapeEnv):  # type: ignore[misc, valid-type]
+            """A ShapeEnv that answers the ``guard_or_*`` queries of the
+            functions in the module docstring without a guard, where
+            ``answer_queries`` is set.
+
+            Attributes:
+                answer_queries: whether to (else every query guards, as in
+                    torch's ShapeEnv).
+                unguarded: how many queries it answered without a guard
+                    that the symbols' ranges did not decide.
+            """
+
+            unguarded = 0
+            # set by the compiler: off, it is torch's ShapeEnv
+            answer_queries = False
+            _probing = False
+            # the outermost probed frame and whether its probe returned
+            # True (the frame is kept, so that its id is not reused)
+            _probed: tuple[Any, bool] | None = None
+
+            def evaluate_expr(
+                self,
+                orig_expr: Any,
+                hint: Any = None,
+                fx_node: Any = None,
+                size_oblivious: bool = False,
+                fallback_value: bool | None = None,
+                *,
+                forcing_spec: bool = False,
+            ) -> Any:
+                if self._probing:
+                    if fallback_value is None:
+                        raise _ProbeRefused(str(orig_expr))
+                    return self._fallback(orig_expr, fallback_value)
+                if (
+                    fallback_value is not None
+                    and self.answer_queries
+                    and _SITES
+                    and self._without_guard(sys._getframe(1))
+                ):
+                    return self._fallback(orig_expr, fallback_value)
+                return super().evaluate_expr(
+                    orig_expr, hint, fx_node, size_oblivious, fallback_value, forcing_spec=forcing_spec
+                )
+
+            def _fallback(self, expr: Any, fallback_value: bool) -> Any:
+                known = self._maybe_evaluate_static(expr)
+                if known is not None:
+                    return known
+                self.unguarded += 1
+                return sympy.true if fallback_value else sympy.false
+
+            def _without_guard(self, frame: Any) -> bool:
+                """Whether the query asked from ``frame``'s stack is one of
+                the sites (module docstring)."""
+                first = None
+                probed_frame = None
+                for _ in range(_MAX_DEPTH):
+                    if frame is None:
+                        break
+                    site = _SITES.get(frame.f_code)
+                    if site is not None:
+                        kind, lines = site
+                        if kind == METADATA:
+                            return True
+                        if first is None:
+                            first = (kind, lines, frame)
+                        if kind == PROBE:
+                            probed_frame = frame  # the outermost one wins
+                    frame = frame.f_back
+                if first is None:
+                    return False
+                kind, lines, at = first
+                if kind == EXACT:
+                    return lines is None or at.f_lineno in lines
+                return self._probe(probed_frame)
+
+            def _probe(self, frame: Any) -> bool:
+                if self._probed is not None and self._probed[0] is frame:
+                    return self._probed[1]
+                args = frame.f_locals
+                try:
+                    self._probing = True
+                    proven = _PROBED(args["a"], memory_format=args["memory_format"]) is True
+                except _ProbeRefused:
+                    proven = False
+                finally:
+                    self._probing = False
+                self._probed = (frame, proven)
+                return proven
+
+            def forget_probe(self) -> None:
+                """Drops the kept frame (at the end of a trace)."""
+                self._probed = None
+
+        _cls = TraceShapeEnv
+    return _cls

@@ -1,0 +1,115 @@
+"""TraceShapeEnv (cagrad.capture.shape_env): which ``guard_or_*`` queries
+on a symbol that may be 1 it answers without a guard.
+
+Each case states what holds for every value of the symbol (by the
+definition of contiguity or broadcasting), and checks that a query whose
+answer depends on the value is still a guard that rejects the values on
+the other side.
+"""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+from torch._dynamo.source import ConstantSource
+from torch._prims_common import is_contiguous_for_memory_format_or_false
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+from cagrad.capture import shape_env
+
+
+def _symbol(env, hint: int):
+    src = ConstantSource(f"s_{len(env.backed_var_to_val)}")
+    sym = shape_env.create_symbol(env, hint, src, zero_one=True)
+    return sym, env.create_symintnode(sym, hint=hint, source=src)
+
+
+def _accepts(env, sym, value: int) -> bool:
+    """Whether ``sym == value`` is in its range and every guard recorded so
+    far holds there (what the variant's SizeCheck asks)."""
+    if value not in env.var_to_range[sym]:
+        return False
+    return all(bool(g.expr.xreplace({sym: sympy.Integer(value)})) for g in env.guards)
+
+
+@pytest.fixture
+def env():
+    if not shape_env.zero_one_symbols():
+        pytest.skip("this torch has no _extract_tensor_metadata")
+    env = shape_env.trace_shape_env()
+    env.answer_queries = True
+    return env
+
+
+def test_contiguous_at_every_value_needs_no_guard(env):
+    """(s, 6) with strides (6, 1) is contiguous for every s: the probe
+    proves it, and nothing keeps 1 out (0 is out of the symbol's range)."""
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        t = torch.empty_strided((s, 6), (6, 1))
+        assert is_contiguous_for_memory_format_or_false(t, memory_format=torch.contiguous_format)
+    assert env.guards == []
+    assert all(_accepts(env, sym, v) for v in (1, 2, 7)) and not _accepts(env, sym, 0)
+
+
+def test_contiguity_that_depends_on_the_value_is_guarded(env):
+    """(6, s) with strides (1, 6) is contiguous for s of 1 only (of those
+    in the range): at s = 4 the answer is False, and a guard keeps 1 out."""
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        t = torch.empty_strided((6, s), (1, 6))
+        assert not is_contiguous_for_memory_format_or_false(t, memory_format=torch.contiguous_format)
+    assert env.guards
+    assert _accepts(env, sym, 3) and not _accepts(env, sym, 1) and not _accepts(env, sym, 0)
+
+
+def test_off_every_query_guards(env):
+    """``answer_queries`` off (no symbol may be 1, or a node has several
+    inputs): torch's ShapeEnv, the contiguity query guards."""
+    env.answer_queries = False
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        t = torch.empty_strided((s, 6), (6, 1))
+        assert is_contiguous_for_memory_format_or_false(t, memory_format=torch.contiguous_format)
+    assert env.guards and not _accepts(env, sym, 1)
+
+
+def test_queries_of_other_code_are_guarded(env):
+    sym, s = _symbol(env, 4)
+    assert not guard_or_false(s == 1)
+    assert not _accepts(env, sym, 1) and _accepts(env, sym, 5)
+
+
+def test_elementwise_op_of_equal_shapes_needs_no_guard(env):
+    """(s, 6) * (s, 6) is (s, 6), contiguous, for every s: the fast path's
+    broadcast shape and contiguity need no guard."""
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        a = torch.empty_strided((s, 6), (6, 1))
+        out = a * torch.empty_strided((s, 6), (6, 1))
+    assert out.shape == (s, 6) and out.stride() == (6, 1)
+    assert all(_accepts(env, sym, v) for v in (1, 2, 9))
+
+
+def test_new_dimension_of_size_one_in_expand_is_guarded(env):
+    """A 0-dim tensor expanded to (s, 6): the stride torch's meta gives the
+    new dimension 0 differs at s == 1, a query that stays a guard."""
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        torch.empty(()).expand(s, 6).contiguous()
+    assert not _accepts(env, sym, 1)
+
+
+@pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 15),
+    reason="the sources were read for torch 2.13 and 2.14",
+)
+def test_the_sources_read_are_recognized():
+    """On the torch versions CI runs, every function of the module docstring
+    is recognized (a changed source would silently cost captures)."""
+    shape_env._load()
+    kinds = sorted(kind for kind, _ in shape_env._SITES.values())
+    assert kinds == ["exact"] * 4 + ["metadata", "probe"], kinds
+    assert shape_env._PROBED is is_contiguous_for_memory_format_or_false
