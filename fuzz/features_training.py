@@ -234,6 +234,14 @@ def _validate_checkpoint(program: Any, values: Mapping[str, Any], expect: Callab
     if c.policy is not None:
         expect(not c.use_reentrant, "checkpoint.policy", "a selective checkpoint policy needs use_reentrant=false")
         expect(has_selective(), "checkpoint.policy", "this torch has no torch.utils.checkpoint.create_selective_checkpoint_contexts")
+        # torch: "You are only allowed to backward once on any region
+        # computed under selective activation checkpoint" (a cached output
+        # read by a second backward over the same graph)
+        expect(
+            program.repeat <= 1,
+            "checkpoint.policy",
+            "a selective checkpoint region allows one backward per forward: repeat must be 1",
+        )
     inputs, outputs = region_io(program, values)
     expect(bool(outputs), "checkpoint.ops", "nothing outside the region reads a value it makes")
     region = set(c.ops)

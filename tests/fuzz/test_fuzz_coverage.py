@@ -275,3 +275,28 @@ def test_coverage_command_prints_and_writes_the_counts(tmp_path: Path) -> None:
     assert got["programs"] == 20
     assert result.output.startswith(f"20 programs, {uses} op uses, {len(got['op_counts'])} of {len(catalog.OPS)} ops used")
     assert "op x dtype: " in result.output
+
+
+def test_coverage_of_training_and_graph_features() -> None:
+    from fuzz.features_training import Checkpoint, Training
+
+    p = Program(
+        leaves=(Leaf("x0", (4, 3), "float64"), Leaf("x1", (3,), "float64", requires_grad=False)),
+        ops=(
+            Op("v0", "aminmax", ("x0",), {"dim": 0}),
+            Op("v1", "mul", ("v0:1", "x1")),
+            Op("v2", "dropout", ("v1",), {"p": 0.5}),
+        ),
+        roots=("v2", "v0:1"),
+        loss="separate",
+        train=Training(steps=2, optimizer="adam", foreach=True, set_to_none=False, fresh=("x1",)),
+        checkpoint=Checkpoint(("v1", "v2"), False, None),
+    )
+    got = coverage.features(p)
+    assert {n for n in got if n.startswith(("train=", "checkpoint=", "graph="))} == {
+        "train=steps=2", "train=adam", "train=foreach", "train=set_to_none=false", "train=fresh_inputs",
+        "checkpoint=non_reentrant", "checkpoint=random", "graph=root.output_nonzero",
+    }  # fmt: skip
+    domain = coverage.domain_features()
+    assert got <= {n for names in domain.values() for n in names}
+    assert "train=steps=3" in domain["train"] and "graph=func.jacrev" in domain["graph"]

@@ -356,3 +356,64 @@ def test_double_backward_gradient_matches_an_independent_formula() -> None:
     )
     (grad,) = eager_grads(program)
     torch.testing.assert_close(grad, 10 * features_graph_leaf(program))
+
+
+# ------------------------------------------- with the training features
+@pytest.mark.parametrize(
+    "graph",
+    [
+        {"func_terms": (FuncTerm("f0", "grad", "sin_mul", "v0"),)},
+        {"double_backward": DoubleBackward(("x0",), "square")},
+        {"subclass_leaves": ("x0",)},
+    ],
+    ids=["func_terms", "double_backward", "subclass_leaves"],
+)
+@pytest.mark.parametrize("field", ["train", "checkpoint"])
+def test_stage_features_do_not_go_with_training_features(graph, field) -> None:
+    from fuzz.features_training import Checkpoint, Training
+
+    training = {"train": Training(steps=2), "checkpoint": Checkpoint(("v1",), False, None)}[field]
+    plain = _chain(*MUL_TANH, **{field: training})
+    plain.infer()  # each is valid on its own
+    _chain(*MUL_TANH, **graph).infer()
+    with pytest.raises(IRError) as info:
+        dataclasses.replace(plain, **graph).infer()
+    assert info.value.where == field
+    assert "cannot be combined with " + next(iter(graph)) in info.value.message
+
+
+def test_roots_at_other_outputs_and_inner_grads_train() -> None:
+    from fuzz.features_training import Training
+
+    program = Program(
+        (Leaf("x0", (4, 3), "float64"),),
+        (Op("v0", "aminmax", ("x0",), {"dim": 0}), Op("v1", "fn_inner_grad", ("v0:1",))),
+        ("v1", "v0:1"),
+        loss="separate",
+        hooks=(Hook("h0", "tensor", "v0:1", "inner_grad"),),
+        train=Training(steps=2, optimizer="sgd", lr=0.1),
+    )
+    assert {"graph:root.output_nonzero", "graph:inner_grad.hook", "graph:inner_grad.function"} <= program_features(program)
+    trace: list = []
+    eager_grads(program, trace=trace)
+    # both optimizer steps ran the inner-grad hook (its own torch.autograd.grad)
+    steps = [label for label, _ in trace if label.startswith("train step ") and label.endswith(" x0")]
+    assert steps == ["train step 1/2: x0", "train step 2/2: x0"]
+    assert sum(1 for label, _ in trace if "h0" in str(label)) >= 2
+
+
+def test_pruning_away_the_only_parameter_drops_train() -> None:
+    from fuzz.features_training import Training
+
+    # x1, the only parameter, feeds nothing: pruning removes it, and an
+    # optimizer with no parameter is no training (validation rejects it)
+    program = Program(
+        (Leaf("x0", (3,)), Leaf("x1", (3,))),
+        (Op("v0", "sin", ("x0",)),),
+        ("v0",),
+        train=Training(steps=1, fresh=("x0",)),
+    )
+    program.infer()
+    pruned = program.pruned()
+    assert [leaf.name for leaf in pruned.leaves] == ["x0"] and pruned.train is None
+    pruned.infer()

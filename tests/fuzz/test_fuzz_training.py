@@ -356,3 +356,25 @@ def test_feature_draws_cover_every_option_and_stay_valid() -> None:
               "checkpoint:non_reentrant", "checkpoint:random"}
     assert wanted <= seen, sorted(wanted - seen)
     assert any(f.startswith("checkpoint:policy=") for f in seen), sorted(seen)
+
+
+def test_a_selective_checkpoint_region_is_not_backpropagated_twice() -> None:
+    # torch raises "Trying to backward an extra time" on the second backward
+    # of a region under a save_all policy (topk's saved indices are cached);
+    # one backward runs
+    program = Program(
+        (Leaf("x0", (3,), "float32"),),
+        (Op("v0", "topk", ("x0",), {"dim": 0, "k": 1}),),
+        ("v0",),
+        mode="grad",
+        inputs=("x0",),
+        checkpoint=Checkpoint(("v0",), False, "save_all"),
+    )
+    from fuzz.features_training import has_selective
+
+    if not has_selective():
+        pytest.skip("no selective checkpointing in this torch")
+    build_run(program)  # valid with one backward
+    with pytest.raises(IRError) as info:
+        validate(dataclasses.replace(program, retain_graph=True, repeat=2))
+    assert info.value.where == "checkpoint.policy" and "one backward" in info.value.message
