@@ -235,12 +235,14 @@ def _validate_checkpoint(program: Any, values: Mapping[str, Any], expect: Callab
         expect(not c.use_reentrant, "checkpoint.policy", "a selective checkpoint policy needs use_reentrant=false")
         expect(has_selective(), "checkpoint.policy", "this torch has no torch.utils.checkpoint.create_selective_checkpoint_contexts")
         # torch: "You are only allowed to backward once on any region
-        # computed under selective activation checkpoint" (a cached output
-        # read by a second backward over the same graph)
+        # computed under selective activation checkpoint" once a second
+        # backward over the same graph reads an output the policy saved
+        # (save_all: any op; save_matmul: a matmul); recompute_all saves none
         expect(
-            program.repeat <= 1,
+            program.repeat <= 1 or c.policy == "recompute_all",
             "checkpoint.policy",
-            "a selective checkpoint region allows one backward per forward: repeat must be 1",
+            f"a selective checkpoint region whose policy saves outputs ({c.policy!r}) allows one backward"
+            " per forward: repeat must be 1",
         )
     inputs, outputs = region_io(program, values)
     expect(bool(outputs), "checkpoint.ops", "nothing outside the region reads a value it makes")

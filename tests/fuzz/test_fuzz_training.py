@@ -161,13 +161,13 @@ def test_random_and_dynamic_ops_check_their_attributes_and_shapes() -> None:
 
 
 def test_training_fields_round_trip_and_programs_without_them_keep_their_json() -> None:
-    p = _mlp(checkpoint=Checkpoint(("a", "d"), False, "save_matmul"), repeat=2, retain_graph=True)
+    p = _mlp(checkpoint=Checkpoint(("a", "d"), False, "recompute_all"), repeat=2, retain_graph=True)
     assert Program.from_json(p.to_json()) == p
     plain = dataclasses.replace(p, train=None, checkpoint=None)
     assert "train" not in plain.to_dict() and "checkpoint" not in plain.to_dict()
     assert Program.from_json(plain.to_json()) == plain
     assert {"train:steps=2", "train:adam", "train:foreach", "train:fresh_inputs", "checkpoint:non_reentrant",
-            "checkpoint:policy=save_matmul", "checkpoint:random", "random:dropout"} <= program_features(p)
+            "checkpoint:policy=recompute_all", "checkpoint:random", "random:dropout"} <= program_features(p)
     assert set(program_features(p)) <= set(p.features())
 
 
@@ -378,3 +378,8 @@ def test_a_selective_checkpoint_region_is_not_backpropagated_twice() -> None:
     with pytest.raises(IRError) as info:
         validate(dataclasses.replace(program, retain_graph=True, repeat=2))
     assert info.value.where == "checkpoint.policy" and "one backward" in info.value.message
+    # recompute_all saves nothing: two backwards run, and agree with eager's
+    twice = dataclasses.replace(program, retain_graph=True, repeat=2, checkpoint=Checkpoint(("v0",), False, "recompute_all"))
+    validate(twice)
+    verdict = Oracle(["cagrad[eager]"], devices=["cpu"]).run(twice)
+    assert verdict.ok, verdict.report.summary()
