@@ -27,6 +27,7 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from fuzz import features_training, ir_graph
 from fuzz import ops as catalog
 from fuzz.ir import DTYPES, HOOK_KINDS, LOSSES, MODES, Program, ValueInfo
 
@@ -37,6 +38,42 @@ NODE_KINDS = ("leaf", "op", "view", "multi_output")
 INPLACE = ("none", "inplace_view", "inplace")
 #: Backward and program options (names as in :meth:`fuzz.ir.Program.features`).
 OPTIONS = ("roots_several", "inputs_restriction", "retain_graph", "size_sequence", "no_grad_leaf", "mixed_dtypes")
+
+
+def _train_domain() -> tuple[str, ...]:
+    """Every ``train:*`` name of :func:`fuzz.features_training.program_features`, prefix dropped."""
+    steps = tuple(f"steps={k}" for k in range(1, features_training.MAX_STEPS + 1))
+    return (*steps, *features_training.OPTIMIZERS, "foreach", "set_to_none=true", "set_to_none=false", "fresh_inputs")
+
+
+def _checkpoint_domain() -> tuple[str, ...]:
+    """Every ``checkpoint:*`` name, prefix dropped (the policies only where
+    torch has selective checkpointing, as the strategy draws them)."""
+    policies = tuple(f"policy={p}" for p in features_training.POLICIES) if features_training.has_selective() else ()
+    return ("reentrant", "non_reentrant", *policies, "random")
+
+
+def _graph_domain() -> tuple[str, ...]:
+    """Every ``graph:*`` name of :func:`fuzz.ir_graph.program_features`,
+    prefix dropped (the subclass leaf only where torch ships ``TwoTensor``,
+    as the strategy draws it)."""
+    from fuzz.features_graph import two_tensor_class  # torch-side module, imported on use
+
+    subclass = tuple(f"subclass.{s}" for s in ir_graph.SUBCLASSES) if two_tensor_class()[0] is not None else ()
+    return (
+        *(f"func.{t}" for t in ir_graph.TRANSFORMS),
+        *subclass,
+        *(f"double_backward.{p}" for p in ir_graph.PENALTIES),
+        "inner_grad.hook",
+        "inner_grad.function",
+        "root.output_nonzero",
+        "root.single_output1",
+        "root.nondiff_sibling",
+    )
+
+
+def _prefixed(names: set[str], prefix: str) -> set[str]:
+    return {n[len(prefix) :] for n in names if n.startswith(prefix)}
 
 
 def node_kind(v: ValueInfo) -> str:
@@ -157,6 +194,24 @@ AXES: dict[str, Axis] = {
         ),
         Axis("hook_node", "node kinds hooks sit on", lambda: NODE_KINDS, lambda f: {n for _, n in f.hook_nodes()}),
         Axis("option", "backward and program options", lambda: OPTIONS, _options),
+        Axis(
+            "train",
+            "optimizer steps (fuzz.features_training: steps, optimizer, foreach, set_to_none, fresh inputs)",
+            _train_domain,
+            lambda f: _prefixed(features_training.program_features(f.program), "train:"),
+        ),
+        Axis(
+            "checkpoint",
+            "checkpointed regions (fuzz.features_training: reentrancy, policy, random ops inside)",
+            _checkpoint_domain,
+            lambda f: _prefixed(features_training.program_features(f.program), "checkpoint:"),
+        ),
+        Axis(
+            "graph",
+            "graph features (fuzz.ir_graph: torch.func terms, subclass leaves, double backward, inner grads, roots)",
+            _graph_domain,
+            lambda f: _prefixed(ir_graph.program_features(f.program), "graph:"),
+        ),
     )
 }
 

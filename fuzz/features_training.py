@@ -234,6 +234,16 @@ def _validate_checkpoint(program: Any, values: Mapping[str, Any], expect: Callab
     if c.policy is not None:
         expect(not c.use_reentrant, "checkpoint.policy", "a selective checkpoint policy needs use_reentrant=false")
         expect(has_selective(), "checkpoint.policy", "this torch has no torch.utils.checkpoint.create_selective_checkpoint_contexts")
+        # torch: "You are only allowed to backward once on any region
+        # computed under selective activation checkpoint" once a second
+        # backward over the same graph reads an output the policy saved
+        # (save_all: any op; save_matmul: a matmul); recompute_all saves none
+        expect(
+            program.repeat <= 1 or c.policy == "recompute_all",
+            "checkpoint.policy",
+            f"a selective checkpoint region whose policy saves outputs ({c.policy!r}) allows one backward"
+            " per forward: repeat must be 1",
+        )
     inputs, outputs = region_io(program, values)
     expect(bool(outputs), "checkpoint.ops", "nothing outside the region reads a value it makes")
     region = set(c.ops)
@@ -308,7 +318,8 @@ def tidy(program: Any) -> Any:
     """``program`` with the fields' references to ops and leaves it no
     longer has dropped (after a reduction or pruning removed them): the
     region keeps its ops that remain (``None`` when none does), ``fresh``
-    its leaves that remain. Not validated."""
+    its leaves that remain (``train`` is ``None`` when no parameter, a leaf
+    that requires grad and is not ``fresh``, remains). Not validated."""
     changes: dict[str, Any] = {}
     if program.checkpoint is not None:
         names = {op.name for op in program.ops}
@@ -318,7 +329,9 @@ def tidy(program: Any) -> Any:
     if program.train is not None:
         names = {leaf.name for leaf in program.leaves}
         kept_fresh = tuple(n for n in program.train.fresh if n in names)
-        if kept_fresh != program.train.fresh:
+        if not any(leaf.requires_grad and leaf.name not in kept_fresh for leaf in program.leaves):
+            changes["train"] = None  # no parameter left for the optimizer: no training
+        elif kept_fresh != program.train.fresh:
             changes["train"] = dataclasses.replace(program.train, fresh=kept_fresh)
     return dataclasses.replace(program, **changes) if changes else program
 

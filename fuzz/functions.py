@@ -19,6 +19,9 @@ importing ``fuzz.functions`` works too.
 ``DetachSecond``       returns ``None`` for its second input (which may
                        require grad; the forward only uses its sign)
 ``ExpSavedOutput``     saves its *output* for the backward
+``RecomputeInBackward`` its backward runs ``torch.autograd.grad`` on a
+                       small graph it builds there (a backward started
+                       inside another)
 =====================  ====================================================
 
 Every backward is exact (``tests/fuzz`` runs ``gradcheck`` on each in
@@ -153,9 +156,31 @@ class ExpSavedOutput(torch.autograd.Function):
         return grad * out
 
 
+class RecomputeInBackward(torch.autograd.Function):
+    """``x * sin(x)``; the backward recomputes it from a detached copy of
+    ``x`` under ``enable_grad`` and takes the gradient with an inner
+    ``torch.autograd.grad`` (as activation checkpointing does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sin(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            a = x.detach().requires_grad_()
+            y = a * torch.sin(a)
+            (gx,) = torch.autograd.grad(y, a, grad.detach())
+        return gx
+
+
 FUNCTIONS: dict[str, type[torch.autograd.Function]] = {
     cls.__name__: cls
-    for cls in (SinScale, MulAdd, MaxWithIndex, SinCosPair, CubeOnce, DetachSecond, ExpSavedOutput)
+    for cls in (
+        SinScale, MulAdd, MaxWithIndex, SinCosPair, CubeOnce, DetachSecond, ExpSavedOutput, RecomputeInBackward
+    )
 }
 
 __all__ = ["FUNCTIONS", *FUNCTIONS]

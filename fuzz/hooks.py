@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fuzz.features_graph import inner_grad_hook
 from fuzz.ir import Hook
 
 
@@ -49,6 +50,8 @@ def _pure_hook(action: str, arg: Any) -> Any:
 
 def tensor_hook(trace: list, hook: Hook) -> Any:
     label, action, arg = hook.label, hook.action, hook.arg
+    if action == "inner_grad":
+        return inner_grad_hook(trace, hook)
     if action.startswith("pure_"):
         fn = _pure_hook(action, arg)
         fn.__name__ = hook.name

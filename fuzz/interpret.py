@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fuzz import features_graph
 from fuzz import ops as catalog
 from fuzz import training_run
 from fuzz.hooks import register_hooks
@@ -45,18 +46,28 @@ def make_leaf(leaf: Leaf, seed: int, device: Any, step: int = 1) -> torch.Tensor
     return t.requires_grad_(leaf.requires_grad)
 
 
+def second_values(program: Program, name: str, device: Any) -> torch.Tensor:
+    """The second inner tensor of subclass leaf ``name`` (seeded from
+    ``"<name>/b"``; :mod:`fuzz.features_graph`)."""
+    leaf = next(leaf for leaf in program.leaves if leaf.name == name)
+    return seeded_uniform(program.seed, f"{name}/b", leaf.shape, catalog.TORCH_DTYPES[leaf.dtype], device)
+
+
 def run_forward(
     program: Program, device: Any = "cpu", given: Mapping[str, torch.Tensor] | None = None, step: int = 1
 ) -> dict[str, torch.Tensor]:
     """Every value of the program by reference (``"v3"``, ``"v4:1"``); the
     leaves named in ``given`` are those tensors, the others are made for
-    optimizer step ``step`` (:func:`fuzz.training_run.step_key`)."""
+    optimizer step ``step`` (:func:`fuzz.training_run.step_key`) and the
+    subclass leaves wrapped (:mod:`fuzz.features_graph`; a program with
+    subclass leaves has no ``train``, so ``given`` is then None)."""
     values: dict[str, torch.Tensor] = {}
     for leaf in program.leaves:
         if given is not None and leaf.name in given:
             values[leaf.name] = given[leaf.name]
         else:
             values[leaf.name] = make_leaf(leaf, program.seed, device, step)
+    features_graph.wrap_subclass_leaves(program, values, lambda name: second_values(program, name, device))
     training_run.run_ops(program, values)
     return values
 
@@ -96,6 +107,8 @@ def run_from_values(program: Program, values: dict[str, torch.Tensor], device: A
         retain_graph=program.retain_graph,
         repeat=program.repeat,
         trace=trace,
+        # torch.func terms and a double backward run in the subject's context
+        before_backward=features_graph.stage(program, values, trace),
     )
 
 

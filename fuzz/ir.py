@@ -62,7 +62,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fuzz import features_training
+from fuzz import features_training, ir_graph
+from fuzz.ir_graph import DoubleBackward, FuncTerm
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
@@ -125,7 +126,7 @@ class Op:
 
 # hook kind -> the actions it takes (the first is the simplest)
 HOOK_KINDS: dict[str, tuple[str, ...]] = {
-    "tensor": ("observe", "scale", "shift", "zero", "callback", "pure_scale", "pure_shift"),
+    "tensor": ("observe", "scale", "shift", "zero", "callback", "pure_scale", "pure_shift", "inner_grad"),
     "retain_grad": ("observe",),
     "pre": ("observe", "scale"),
     "post": ("observe", "scale", "drop"),
@@ -155,7 +156,11 @@ class Hook:
       ``pure_scale`` and ``pure_shift`` return ``g * arg`` and ``g + arg``
       and record nothing: pure functions of the gradient, which cagrad
       traces into its graph (``cagrad.hooks.hook_tracing``) where nothing else of
-      the user's runs in the backward;
+      the user's runs in the backward; ``inner_grad`` starts a backward
+      inside the hook: ``torch.autograd.grad`` of ``(a.sin() * a).sum()``
+      for ``a = g.detach().requires_grad_()`` (a small graph of its own),
+      records that grad ``d`` and returns ``g + d``
+      (:func:`fuzz.features_graph.inner_grad_hook`);
     * ``"retain_grad"``: ``target.retain_grad()`` on a non-leaf; its
       ``.grad`` is compared after the backward like a leaf's;
     * ``"pre"``: ``target.grad_fn.register_prehook(fn)``; ``fn(grad_outputs)``
@@ -236,6 +241,10 @@ class Program:
     hooks: tuple[Hook, ...] = ()
     # size sequence steps: each a tuple of (old size, new size) pairs
     resizes: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # graph features (fuzz.ir_graph): torch.func terms, subclass leaves, double backward
+    func_terms: tuple[FuncTerm, ...] = ()
+    subclass_leaves: tuple[str, ...] = ()
+    double_backward: DoubleBackward | None = None
     # optimizer steps and a checkpointed region (fuzz.features_training)
     train: Any = None
     checkpoint: Any = None
@@ -256,6 +265,7 @@ class Program:
             "repeat": self.repeat,
             "hooks": [hook.to_dict() for hook in self.hooks],
             **({"resizes": [[list(pair) for pair in step] for step in self.resizes]} if self.resizes else {}),
+            **ir_graph.fields_to_dict(self),
             **features_training.to_dict(self),
         }
 
@@ -307,6 +317,7 @@ class Program:
             out.append("repeat:retain_graph")
         if self.resizes:
             out.append("shapes:sequence")
+        out += sorted(ir_graph.program_features(self))
         out += sorted(features_training.program_features(self))
         return out
 
@@ -351,7 +362,7 @@ class Program:
         """Drops ops and leaves that no root or input depends on, and the
         hooks on values that are dropped."""
         needed: set[str] = set()
-        for ref in list(self.roots) + list(self.inputs or ()):
+        for ref in list(self.roots) + list(self.inputs or ()) + ir_graph.referenced(self):
             needed.add(base_name(ref))
         kept: list[Op] = []
         for op in reversed(self.ops):
@@ -364,7 +375,10 @@ class Program:
         sizes = {d for leaf in leaves for d in leaf.shape}
         steps = tuple(tuple(p for p in step if p[0] in sizes) for step in self.resizes)
         resizes = tuple(step for step in steps if step)
-        pruned = dataclasses.replace(self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks, resizes=resizes)
+        graph = ir_graph.pruned_fields(self, {leaf.name for leaf in leaves})
+        pruned = dataclasses.replace(
+            self, leaves=leaves, ops=tuple(reversed(kept)), hooks=hooks, resizes=resizes, **graph
+        )
         return features_training.tidy(pruned)
 
     def without_invalid_hooks(self) -> Program:
@@ -395,7 +409,10 @@ _PROGRAM_FIELDS_V1 = {
     "schema", "name", "seed", "leaves", "ops", "roots", "loss", "mode",
     "inputs", "retain_graph", "repeat",
 }
-_PROGRAM_FIELDS = {1: _PROGRAM_FIELDS_V1, 2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes", *features_training.FIELDS}}
+_PROGRAM_FIELDS = {
+    1: _PROGRAM_FIELDS_V1,
+    2: _PROGRAM_FIELDS_V1 | {"hooks", "resizes", *ir_graph.FIELDS, *features_training.FIELDS},
+}
 _REQUIRED_FIELDS = {"schema", "leaves", "ops", "roots"}
 _LEAF_FIELDS = {"name", "shape", "dtype", "requires_grad"}
 _OP_FIELDS = {"name", "op", "inputs", "attrs"}
@@ -478,6 +495,7 @@ def _parse_program(data: Any) -> Program:
         )
         resizes.append(tuple((p[0], p[1]) for p in raw))
     return Program(
+        **ir_graph.parse_fields(data, _expect),
         resizes=tuple(resizes),
         hooks=tuple(hooks),
         leaves=tuple(leaves),
@@ -649,6 +667,7 @@ def validate(program: Program) -> dict[str, ValueInfo]:
         _expect(hook.name not in names, f"{where}.name", f"hook name {hook.name!r} is also a value's name")
         hook_names.add(hook.name)
         check_hook(hook, where, values, resolve)
+    ir_graph.check(program, values, resolve, _expect)
     features_training.validate(program, values, _expect)
     check_resizes(program)
     return values

@@ -22,6 +22,10 @@ Kinds of change (:data:`CHANGE_KINDS`), each a single edit of the IR:
 * ``edge``: one op input replaced by another value of the same shape;
 * ``values``: the seed (new leaf values, same graph: a cache hit that must
   give the new values' gradients);
+* ``graph``: a graph feature (:mod:`fuzz.features_graph`): a ``torch.func``
+  term's transform or function, the double backward's penalty, a subclass
+  leaf made plain, or a root moved to another output of its op (the key
+  must see which output a root is);
 * ``train``: one option of the training features changed (a step count,
   the optimizer, ``foreach``, ``set_to_none``, the learning rate, a
   checkpoint region's reentrancy, policy or extent:
@@ -57,12 +61,12 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from fuzz import features_graph, training_gen
 from fuzz import ops as catalog
-from fuzz import training_gen
 from fuzz.interpret import derived_seed, program_digest
 from fuzz.ir import DTYPES, Hook, IRError, Leaf, Program, ValueInfo, validate
 
-CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values", "train")
+CHANGE_KINDS = ("attr", "alias", "dtype", "size", "requires_grad", "hook", "edge", "values", "graph", "train")
 
 # a lazily built candidate: (label, thunk returning the changed program)
 _Candidate = tuple[str, Callable[[], Program]]
@@ -326,6 +330,7 @@ _CANDIDATES: dict[str, Callable[[Program, Mapping[str, ValueInfo]], Iterator[_Ca
     "hook": _hook_candidates,
     "edge": _edge_candidates,
     "values": _values_candidates,
+    "graph": features_graph.neighbour_candidates,
     "train": training_gen.neighbour_candidates,
 }
 

@@ -25,7 +25,9 @@ their own: :mod:`fuzz.ops_custom` (custom ``autograd.Function`` s from
 :mod:`fuzz.functions`, category ``custom``) and :mod:`fuzz.ops_inplace`
 (in-place ops on views of a fresh copy, category ``inplace_view``, and the
 rare ``mul_inplace`` that writes into an earlier value, category
-``inplace``), and :mod:`fuzz.ops_dynamic` (random ops, category
+``inplace``); :mod:`fuzz.ops_graph` adds multi-output and
+``(values, indices)`` ops and ``fn_inner_grad`` for the graph features
+(:mod:`fuzz.ir_graph`), and :mod:`fuzz.ops_dynamic` (random ops, category
 ``random``, and ops whose values decide sizes, category ``dynamic``).
 Hooks are not ops: they are a program-level list (see
 :mod:`fuzz.ir`).
@@ -69,5 +71,6 @@ from fuzz import ops_math as _ops_math  # noqa: F401
 from fuzz import ops_shape as _ops_shape  # noqa: F401
 from fuzz import ops_custom as _ops_custom  # noqa: F401
 from fuzz import ops_inplace as _ops_inplace  # noqa: F401
+from fuzz import ops_graph as _ops_graph  # noqa: F401
 from fuzz import ops_dynamic as _ops_dynamic  # noqa: F401
 # isort: on

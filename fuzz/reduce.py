@@ -19,6 +19,9 @@ fails and is smaller by :func:`complexity`:
   ``"separate"`` -> ``"sum"``, no ``inputs=``, ``repeat`` 1;
 * ``float64`` leaves -> ``float32``;
 * drop a hook; make a hook that changes gradients only observe them;
+* drop a graph feature (:func:`fuzz.features_graph.reduce_candidates`: a
+  ``torch.func`` term, the double backward or one of its inputs, a subclass
+  leaf; a root at output k >= 1 moves to output 0);
 * replace an op by ``clone`` of its first input (same shape and dtype), so
   that failures that need *a* node there, not that op, shrink to one
   signature.
@@ -36,7 +39,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from fuzz import training_gen
+from fuzz import features_graph, ir_graph, training_gen
 from fuzz.ir import IRError, Leaf, Op, Program, validate
 
 
@@ -53,6 +56,7 @@ def complexity(p: Program) -> tuple[int, ...]:
         len(p.resizes),
         training_gen.weight(p),
         len(p.hooks),
+        features_graph.weight(p),
         sum(h.action != "observe" for h in p.hooks),
         sum(op.op != "clone" for op in p.ops),
         len(p.roots),
@@ -87,6 +91,7 @@ def _replace_refs(p: Program, mapping: dict[str, str], drop_op: str | None) -> P
         roots=tuple(dict.fromkeys(sub(r) for r in p.roots)),
         inputs=None if p.inputs is None else tuple(dict.fromkeys(sub(r) for r in p.inputs)),
         hooks=hooks,
+        **ir_graph.replace_refs(p, sub),
     )
     if not hooks:
         return q
@@ -164,6 +169,7 @@ def candidates(p: Program) -> Iterator[Program]:
             yield dataclasses.replace(p, resizes=p.resizes[:i] + p.resizes[i + 1 :])
     for i in range(len(p.hooks)):
         yield dataclasses.replace(p, hooks=p.hooks[:i] + p.hooks[i + 1 :])
+    yield from features_graph.reduce_candidates(p)
     for op in reversed(p.ops):
         yield _cut(p, op)
     for op in reversed(p.ops):

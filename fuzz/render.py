@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 
-from fuzz import functions
+from fuzz import features_graph, functions
 from fuzz import ops as catalog
 from fuzz import training_render
 from fuzz.interpret import derived_seed
@@ -56,6 +56,8 @@ def _hook_lines(hook: Hook) -> list[str]:
     name, label, target = hook.name, repr(hook.label), ref_expr(hook.target)
     if hook.kind == "retain_grad":
         return [f"{target}.retain_grad()", f"retained.append({target})"]
+    if hook.kind == "tensor" and hook.action == "inner_grad":
+        return [*features_graph.inner_grad_hook_source(hook), f"{target}.register_hook({name})"]
     if hook.kind == "tensor" and hook.action in ("pure_scale", "pure_shift"):
         op = "*" if hook.action == "pure_scale" else "+"
         return [
@@ -110,6 +112,8 @@ def _hook_lines(hook: Hook) -> list[str]:
 
 def render_source(program: Program) -> str:
     lines = ["import torch", *training_render.imports(program)]
+    if program.subclass_leaves:
+        lines.append("from torch.testing._internal.two_tensor import TwoTensor")
     sources = _function_sources(program)
     if any("once_differentiable" in src for src in sources):
         lines.append("from torch.autograd.function import once_differentiable")
@@ -131,9 +135,13 @@ def render_source(program: Program) -> str:
             continue
         expr = _uniform(program.seed, leaf.name, shape, f"torch.{leaf.dtype}")
         body.append(f"{leaf.name} = {expr}.requires_grad_({leaf.requires_grad})")
+        if leaf.name in program.subclass_leaves:
+            second = _uniform(program.seed, f"{leaf.name}/b", shape, f"torch.{leaf.dtype}")
+            body.append(features_graph.subclass_leaf_line(leaf.name, second, leaf.requires_grad))
     outer, body = body, fresh  # training: the rest runs once per optimizer step
     body.extend(training_render.op_lines(program))
-    if program.hooks:
+    stage = features_graph.stage_source(program)
+    if program.hooks or stage:
         if program.train is None:
             body.append("trace = [] if trace is None else trace")
         if any(h.kind == "retain_grad" for h in program.hooks):
@@ -154,6 +162,7 @@ def render_source(program: Program) -> str:
         body.append("grad_outputs = [")
         body.extend(f"    {g}," for g in gos)
         body.append("]")
+    body.extend(stage)
     inputs = None if program.inputs is None else "[" + ", ".join(ref_expr(r) for r in program.inputs) + "]"
     leaves = "[" + ", ".join(leaf.name for leaf in program.leaves) + "]"
     if any(h.kind == "retain_grad" for h in program.hooks):

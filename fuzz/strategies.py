@@ -41,6 +41,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fuzz import features_graph
 from fuzz import ops as catalog
 from fuzz import training_gen
 from fuzz.ir import (
@@ -100,6 +101,11 @@ class GenConfig:
     # captures over the sequence are checked (harness.capture_rule).
     shapes: bool = True
     max_resizes: int = 3
+    # Graph features (fuzz.ir_graph): torch.func terms, double backward,
+    # TwoTensor leaves, roots at outputs >= 1 (each rare; see
+    # features_graph.draw_graph_features). The inner_grad hook action and
+    # the ops of fuzz.ops_graph are drawn as hooks and ops.
+    graph_features: bool = True
     # Op weights: (name, weight) pairs, weight >= 0 (an op left out or of
     # weight 0 is never drawn; None: op_weights' defaults). A campaign
     # passes per-round weights that steer toward ops drawn less so far
@@ -313,12 +319,22 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
         seed=seed,
         hooks=tuple(hooks),
     )
+    if cfg.graph_features:
+        program = features_graph.draw_graph_features(draw, program, b.pool)
     if cfg.prune:
         program = program.pruned()
+    # (training features are drawn only where validation allows them: not
+    # with a graph feature that runs in the backward's stage, see
+    # fuzz.ir_graph.check)
     program = training_gen.draw_features(draw, program, cfg.training, cfg.checkpoint)
     # (a program that trains is no size sequence: the capture rule counts
     # one backward per size, and later steps may capture anew by design)
-    if cfg.shapes and cfg.max_resizes >= 1 and program.train is None:
+    if (
+        cfg.shapes
+        and cfg.max_resizes >= 1
+        and program.train is None
+        and not features_graph.stage_features(program)
+    ):
         program = _draw_resizes(draw, cfg, program)
     validate(program)
     return program
@@ -405,7 +421,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
             if b.tensor_of(target.ref) in retained:
                 continue
             retained.add(b.tensor_of(target.ref))
-        action = draw(st.sampled_from(cfg.allowed_actions(kind)))
+        action = features_graph.draw_hook_action(draw, cfg.allowed_actions(kind))
         arg: float | int | None = None
         if action in ("scale", "pure_scale"):
             arg = draw(st.sampled_from(_SCALE_ARGS))

@@ -113,6 +113,8 @@ def compare_tensor(
         return None
     if expected is None or actual is None:
         return Mismatch(where, f"eager has {describe_value(expected)}, subject has {describe_value(actual)}")
+    if hasattr(expected, "__tensor_flatten__") or hasattr(actual, "__tensor_flatten__"):
+        return _compare_subclass(expected, actual, where, tolerance)
     for attr in ("dtype", "shape", "device", "layout"):
         ev, av = getattr(expected, attr), getattr(actual, attr)
         if ev != av:
@@ -131,6 +133,25 @@ def compare_tensor(
         detail = strides_differ(expected, actual)
         if detail is not None:
             return Mismatch(where, detail)
+    return None
+
+
+def _compare_subclass(
+    expected: torch.Tensor, actual: torch.Tensor, where: str, tolerance: ToleranceFn
+) -> Mismatch | None:
+    """A tensor subclass (``TwoTensor``, any traceable wrapper subclass with
+    ``__tensor_flatten__``) must have eager's class, and its inner tensors
+    must agree one by one (``where.a``, ``where.b``)."""
+    if type(expected) is not type(actual):
+        return Mismatch(where, f"class differs: eager {type(expected).__name__}, subject {type(actual).__name__}")
+    names, _ = expected.__tensor_flatten__()
+    other, _ = actual.__tensor_flatten__()
+    if list(names) != list(other):
+        return Mismatch(where, f"inner tensors differ: eager {list(names)}, subject {list(other)}")
+    for name in names:
+        m = compare_tensor(getattr(expected, name), getattr(actual, name), f"{where}.{name}", tolerance)
+        if m is not None:
+            return m
     return None
 
 

@@ -79,6 +79,12 @@ class ProgramRun:
     retain_graph: bool | None = None
     repeat: int = 1
     trace: list[Any] = dataclasses.field(default_factory=list)
+    #: Called with the run by :func:`run_backward` once before its first
+    #: backward, inside the subject's context: work that belongs to the
+    #: backward's forward but must run where the engine is active (a
+    #: ``torch.func`` term, a ``create_graph=True`` grad whose grads make
+    #: new roots); it may replace ``outputs`` and ``grad_outputs``.
+    before_backward: Callable[[ProgramRun], None] | None = None
     driver: Callable[[ProgramRun], Any] | None = None
 
 
@@ -121,6 +127,9 @@ def run_backward(run: ProgramRun) -> tuple[torch.Tensor | None, ...] | None:
     if run.driver is not None:
         return run.driver(run)
     result = None
+    if run.before_backward is not None:
+        before, run.before_backward = run.before_backward, None  # once per run
+        before(run)
     for _ in range(max(1, run.repeat)):
         if run.mode == "grad":
             if run.inputs is None:

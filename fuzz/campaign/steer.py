@@ -36,7 +36,7 @@ from fuzz.strategies import OP_SLOTS, GenConfig, op_slots, op_weights, programs
 
 #: A steered op weighs at most this many times the mean base weight, and
 #: at least 1/MAX_BOOST of its own.
-MAX_BOOST = 8.0
+MAX_BOOST = 10.0
 #: Mean base weights an op gains per pair of :data:`fuzz.coverage.PAIRS`
 #: that names it (through its name, category or in-place kind) and that no
 #: program has had yet.

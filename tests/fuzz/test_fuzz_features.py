@@ -267,6 +267,7 @@ GRADCHECK_CASES = {
     "CubeOnce": (F.CubeOnce.apply, [_x(2, 2)]),
     "DetachSecond": (F.DetachSecond.apply, [_x(2, 3), _x(3, seed=1)]),
     "ExpSavedOutput": (F.ExpSavedOutput.apply, [_x(5)]),
+    "RecomputeInBackward": (F.RecomputeInBackward.apply, [_x(2, 3)]),
 }
 
 
