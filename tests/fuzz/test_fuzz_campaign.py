@@ -17,6 +17,7 @@ from fuzz.interpret import build_run
 from fuzz.cli import main
 from fuzz.ir import Program
 from fuzz.strategies import GenConfig
+from tests.conftest import CAMPAIGN_TIMEOUTS, HANG_GUARD_S
 
 HERE = Path(__file__).resolve().parent
 graph_has = runpy.run_path(str(HERE / "broken_subject.py"))["graph_has"]
@@ -43,7 +44,7 @@ def _campaign(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "fuzz", "campaign", "--device", "cpu", *args],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=HANG_GUARD_S,
         cwd=HERE.parent.parent,
     )
 
@@ -93,7 +94,8 @@ def test_injected_divergence_exits_1_with_a_shrunk_reproducer(tmp_path: Path) ->
     out = tmp_path / "out"
     proc = _campaign(
         "--budget", "3600", "--max-programs", "30", "--seed", "14", "--out", str(out), "--plugin", BROKEN,
-        "--shrink-seconds", "600", "--no-progress", "--known", "none", "--ops", "mul,sin,add,exp,sum"
+        "--shrink-seconds", "600", "--no-progress", "--known", "none", "--ops", "mul,sin,add,exp,sum",
+        "--workers", "1", *CAMPAIGN_TIMEOUTS,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
