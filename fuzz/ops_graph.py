@@ -76,20 +76,37 @@ register(
         doc="(var, mean) over dim: one node, two differentiable outputs",
     )
 )
-register(
-    OpSpec(
-        name="aminmax",
-        category="reduction",
-        impl=lambda t, a: tuple(torch.aminmax(t[0], dim=a["dim"])),
-        infer=_pair,
-        code=_fmt("torch.aminmax({0}, dim={dim})"),
-        attrs={"dim": Attr("dim")},
-        accepts=_rank_at_least(1),
-        plan=_one_dim_plan,
-        multi_output=True,
-        doc="(min, max) over dim: one node, two differentiable outputs",
-    )
+
+
+def _aminmax_differentiable() -> bool:
+    """Whether this torch has a derivative for ``aminmax`` (torch 2.11 has
+    none: its backward raises "derivative for aten::aminmax is not
+    implemented"; 2.13 has ``AminmaxBackward0``). Without one the op is not
+    in the catalog: eager itself could not run a program with it."""
+    x = torch.ones(2, requires_grad=True)
+    try:
+        torch.aminmax(x, dim=0)[0].backward()
+    except RuntimeError:
+        return False
+    return True
+
+
+AMINMAX = _aminmax_differentiable()
+
+_AMINMAX = OpSpec(
+    name="aminmax",
+    category="reduction",
+    impl=lambda t, a: tuple(torch.aminmax(t[0], dim=a["dim"])),
+    infer=_pair,
+    code=_fmt("torch.aminmax({0}, dim={dim})"),
+    attrs={"dim": Attr("dim")},
+    accepts=_rank_at_least(1),
+    plan=_one_dim_plan,
+    multi_output=True,
+    doc="(min, max) over dim: one node, two differentiable outputs",
 )
+if AMINMAX:
+    register(_AMINMAX)
 register(
     OpSpec(
         name="topk",

@@ -116,6 +116,11 @@ def test_varying_expert_counts_settle_at_two_captures():
     assert c["captures"] == 2 and c["cache_hits"] == steps - 2
 
 
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only; "
+    "other versions guard sizes of 1 as before (sound, one more capture)",
+)
 def test_expert_counts_of_one_settle_at_two_captures():
     """50 steps whose counts include 1 (each at least 1 after the first
     step, which sends one expert no token and another one): the counts'

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import cagrad
+from fuzz.ops import OPS as CATALOG  # the catalog whole (importing ops_graph alone reorders it)
 
 from .conftest import same
 
@@ -46,6 +47,8 @@ MULTI_OUTPUT: dict[str, tuple[tuple[int, ...], Callable[[torch.Tensor], Sequence
     "chunk": ((2, 6), lambda x: torch.chunk(x, 3, 1)),
     "linalg_qr": ((3, 3), lambda x: torch.linalg.qr(x)),
 }
+if "aminmax" not in CATALOG:  # torch 2.11: aminmax has no derivative (fuzz.ops_graph.AMINMAX)
+    del MULTI_OUTPUT["aminmax"]
 
 
 def _backward(op: str, roots_at: Sequence[int], form: str, seed: int = 1) -> list[torch.Tensor | None]:
@@ -98,10 +101,10 @@ def test_a_root_back_at_its_first_output_hits(form: str) -> None:
     0, 1, 0, 1 capture twice and hit twice (``backward()`` through the
     generated guards, which check the root's ``output_nr`` themselves)."""
     sequence = ([0], [1], [0], [1])
-    expected = [_backward("aminmax", roots_at, form) for roots_at in sequence]
+    expected = [_backward("var_mean", roots_at, form) for roots_at in sequence]
     with cagrad.enable("eager"):
         for roots_at, want in zip(sequence, expected):
-            for a, b in zip(want, _backward("aminmax", roots_at, form)):
+            for a, b in zip(want, _backward("var_mean", roots_at, form)):
                 same(a, b)
     assert cagrad.counters["captures"] == 2
     assert cagrad.counters["cache_hits"] == 2

@@ -43,7 +43,10 @@ def test_generated_ops_are_spread_over_the_whole_catalog(unsteered: dict[str, An
     # programs (one op each, about a fifth of a round); steered (the
     # default) it is the op that needs them: see the steering test.
     counts = unsteered["op_counts"]
-    assert len(counts) >= len(catalog.OPS) - 3, sorted(set(catalog.OPS) - set(counts))
+    # every op of weight 1 is drawn; a rare one (weight 1/4: about 4 uses
+    # expected in these programs) may be missed unsteered, never steered
+    common = {n for n, spec in catalog.OPS.items() if not spec.rare}
+    assert common <= set(counts), sorted(common - set(counts))
     mean = sum(counts.values()) / len(catalog.OPS)
     top = max(counts, key=counts.get)
     assert counts[top] <= 3 * mean, (top, counts[top], mean)
@@ -283,7 +286,7 @@ def test_coverage_of_training_and_graph_features() -> None:
     p = Program(
         leaves=(Leaf("x0", (4, 3), "float64"), Leaf("x1", (3,), "float64", requires_grad=False)),
         ops=(
-            Op("v0", "aminmax", ("x0",), {"dim": 0}),
+            Op("v0", "var_mean", ("x0",), {"dim": 0}),  # (aminmax has no derivative on torch 2.11)
             Op("v1", "mul", ("v0:1", "x1")),
             Op("v2", "dropout", ("v1",), {"p": 0.5}),
         ),

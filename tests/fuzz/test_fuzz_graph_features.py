@@ -387,7 +387,7 @@ def test_roots_at_other_outputs_and_inner_grads_train() -> None:
 
     program = Program(
         (Leaf("x0", (4, 3), "float64"),),
-        (Op("v0", "aminmax", ("x0",), {"dim": 0}), Op("v1", "fn_inner_grad", ("v0:1",))),
+        (Op("v0", "var_mean", ("x0",), {"dim": 0}), Op("v1", "fn_inner_grad", ("v0:1",))),
         ("v1", "v0:1"),
         loss="separate",
         hooks=(Hook("h0", "tensor", "v0:1", "inner_grad"),),
