@@ -20,6 +20,7 @@ from fuzz.neighbours import CHANGE_KINDS, derive, neighbours
 from fuzz.oracle import Oracle
 from fuzz.reproducer import read_reproducer, run_reproducer, write_reproducer
 from fuzz.strategies import GenConfig, programs
+from tests.conftest import HANG_GUARD_S
 
 SOFTMAX = Program(
     leaves=(Leaf("x0", (3, 4), "float64"),),
@@ -302,7 +303,7 @@ def test_a_two_minute_campaign_finds_a_planted_key_fault_as_a_cache_divergence(t
             "--out", str(out), "--workers", "1", "--known", "none", "--no-progress", "--shrink-seconds", "30",
             "--max-programs", "40", "--plugin", f"{here / 'planted_key_fault.py'}:KeyLeavesOutOneAttribute",
         ],
-        capture_output=True, text=True, timeout=900, cwd=here.parent.parent,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=here.parent.parent,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fuzz.ir import Program
+from tests.conftest import HANG_GUARD_S
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -37,7 +38,7 @@ def test_crashing_and_hanging_subjects_are_recorded_and_the_campaign_goes_on(tmp
             "--ops", "sin,exp,neg,abs,sum", "--max-ops", "2", "--no-hooks", "--known", "none", "--neighbours", "0",
             "--plugin", f"{CRASHING}:AbortOnSin", "--plugin", f"{CRASHING}:HangOnExp",
         ],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
@@ -78,7 +79,7 @@ def test_a_crash_the_known_issues_file_lists_is_counted_as_known_not_recorded(tm
             "--no-progress", "--ops", "sin,neg,sum", "--max-ops", "2", "--no-hooks", "--known", str(known), "--neighbours", "0",
             "--plugin", f"{CRASHING}:AbortOnSin",
         ],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
@@ -105,7 +106,7 @@ def test_a_device_error_ends_the_worker_and_is_recorded_as_a_crash(tmp_path: Pat
             "--no-progress", "--ops", "neg,sin,sum", "--max-ops", "2", "--no-hooks", "--known", "none", "--neighbours", "0",
             "--plugin", f"{CRASHING}:DeviceErrorOnNeg",
         ],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
