@@ -132,6 +132,8 @@ class PerturbOneGrad(EagerSubject):
         class Engine:
             def run_backward(self, roots, *args, **kwargs):
                 leaves = subject.leaves(roots)
+                if not leaves:  # the planted fault must be planted, or the test means nothing
+                    raise AssertionError(f"no leaf of shape {subject.shape} reached from the roots {roots!r}")
                 result = inner.run_backward(roots, *args, **kwargs)
                 with torch.no_grad():
                     for leaf in leaves:
@@ -149,7 +151,9 @@ class PerturbOneGrad(EagerSubject):
 
     def leaves(self, roots):
         seen, out = set(), []
-        stack = [r.grad_fn for r in roots if getattr(r, "grad_fn", None) is not None]
+        # a root is a tensor or a GradientEdge (its ``node``)
+        roots = roots if isinstance(roots, (tuple, list)) else (roots,)
+        stack = [getattr(r, "grad_fn", None) or getattr(r, "node", None) for r in roots]
         while stack:
             node = stack.pop()
             if node is None or id(node) in seen:
