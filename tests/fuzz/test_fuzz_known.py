@@ -225,13 +225,14 @@ SHIPPED_211 = {
                   "(size variant x2[2, 5, 3, 3] c0[2, 5, 3, 3])"), ["log_softmax", "permute"],
         ["cagrad[inductor]", "cagrad[inductor,reduce-overhead]", "torch_ca[inductor]",
          "torch_ca[inductor,reduce-overhead]"]),
+    # seen under cagrad[aot_eager] too, before cagrad ran ProdBackward itself
+    # for a non-contiguous saved input: a cagrad subject is a new failure now
     "traced-prod-backward-zero-safe-path-strides": (
-        "cagrad[aot_eager]", "cache",
+        "torch_ca[eager]", "cache",
         _mismatch("cache", "neighbour 1 (ops[0].attrs.dim1: 3 -> 1) ran after the program and gave a wrong "
                   "result (grad result 0: strides differ: eager (16, 1, 4), subject (4, 8, 1)); in a fresh "
                   "cache it agrees with eager"), ["diagonal", "exp", "prod", "permute"],
-        ["cagrad[inductor]", "cagrad[inductor,reduce-overhead]", "torch_ca[inductor]",
-         "torch_ca[inductor,reduce-overhead]", "cagrad[aot_eager]", "torch_ca[eager]"]),
+        ["torch_ca[eager]", "torch_ca[inductor]", "torch_ca[inductor,reduce-overhead]"]),
 }  # fmt: skip
 
 
