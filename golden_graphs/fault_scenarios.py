@@ -39,15 +39,27 @@ def key_dim_values_on_a_square_leaf() -> Backward:
 # -- (c) which outputs of a multi-output node are needed -------------------------
 
 
+def _noop(*args: object) -> None:
+    return None
+
+
 @scenario
 def grad_inputs_one_output_of_multi_output_node() -> Backward:
-    """fault class: which outputs of a multi-output node are needed: grad w.r.t. the weights only, so addmm, mm and layer_norm compute no input gradient."""
+    """fault class: which outputs of a multi-output node are needed: grad w.r.t. weights only; post hooks on addmm and mm see None for the unneeded outputs."""
+    # under inputs= eager's node computes only the outputs whose edges lead
+    # to a node that runs (task_should_compute_output); a node post hook is
+    # handed those outputs, None for the others, as the opaque hook calls'
+    # arguments in the graph show
     x = leaf(3, 4)
     w, b = leaf(5, 4), leaf(5)
     ln_w = leaf(5)
     v = leaf(5, 2)
-    h = F.layer_norm(F.linear(x, w, b), (5,), weight=ln_w)
-    return Backward((h @ v).tanh().sum(), inputs=[w, ln_w])
+    lin = F.linear(x, w, b)  # AddmmBackward0: edges bias, x, w.t()
+    lin.grad_fn.register_hook(_noop)
+    h = F.layer_norm(lin, (5,), weight=ln_w)
+    m = h @ v  # MmBackward0: edges h, v
+    m.grad_fn.register_hook(_noop)
+    return Backward(m.tanh().sum(), inputs=[w, ln_w])
 
 
 # -- (d) a single root at a non-zero output of a multi-output node ---------------
@@ -105,13 +117,17 @@ def _scaled_hook(scale: float, shift: float):
 
 @scenario
 def traced_hook_captured_values() -> Backward:
-    """fault class: a traced hook's captured values: a closure cell (0.25) and a default (1.5) baked into the graph and hashed into the hook's fingerprint."""
+    """fault class: a traced hook's captured values: one hook code, three (closure, default) values, baked into the graph and told apart by fingerprint."""
+    # hooks A and B differ only in a closure cell, A and C only in a default
+    # value: three distinct fingerprints, three sets of constants
     x = leaf(3, 4)
     h = x.exp()
-    h.register_hook(_scaled_hook(0.25, 1.5))
+    h.register_hook(_scaled_hook(0.25, 1.5))  # A
     y = x.sin()
-    y.register_hook(_scaled_hook(-3.0, 0.5))
-    return Backward((h * y).sum())
+    y.register_hook(_scaled_hook(-3.0, 1.5))  # B
+    z = x.cos()
+    z.register_hook(_scaled_hook(0.25, 0.5))  # C
+    return Backward((h * y + z).sum())
 
 
 # -- (i) double backward ------------------------------------------------------------
