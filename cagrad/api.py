@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ import torch.fx
 
 from . import engine
 from . import explain as explain_mod
-from .autograd import transforms
+from .autograd import run_context, transforms
 from .capture import leaf_hook_groups
 from .compile.backends import CompilerFn
 from .compile.cuda_graphs import check_mode
@@ -173,6 +174,7 @@ def capture(
     grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
     inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
     dynamic: bool = False,
+    create_graph: bool = False,
 ) -> Capture:
     """Traces the backward of ``outputs`` without running it.
 
@@ -188,6 +190,9 @@ def capture(
         inputs: tensors to differentiate with respect to, or None.
         dynamic: trace every size that may be dynamic as a symbol (the graph
             ``enable(dynamic=True)`` would compile); False: static sizes.
+        create_graph: the backward of ``backward(..., create_graph=True)``
+            (or ``grad``'s): its task key says so and saved tensors enter the
+            graph differentiable, as the graph a double backward needs.
 
     Raises:
         cagrad.Unsupported: if the backward cannot be compiled (the reason
@@ -195,11 +200,14 @@ def capture(
         RuntimeError: for arguments eager autograd rejects.
     """
     outs, grads, ins = backward_arguments(outputs, grad_outputs, inputs)
-    check_supported_mode()
-    collected = collect_or_raise(outs, grads, ins, accumulate_grad=inputs is None)
-    sizes = collected.collector.sizes
-    slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
-    traced = trace_with_retries(collected, CacheNode(), slots, count=False)
+    check_supported_mode(create_graph)
+    # collected and traced as inside the engine's create_graph backward
+    ctx = run_context.running(run_context.RunContext(create_graph=True)) if create_graph else contextlib.nullcontext()
+    with ctx:
+        collected = collect_or_raise(outs, grads, ins, accumulate_grad=inputs is None, create_graph=create_graph)
+        sizes = collected.collector.sizes
+        slots = frozenset(i for i, ok in enumerate(sizes.dynamic_ok) if ok) if dynamic else frozenset()
+        traced = trace_with_retries(collected, CacheNode(), slots, count=False)
     values = tuple(v if ok else None for v, ok in zip(sizes.values, sizes.dynamic_ok))
     return Capture(traced.graph_module, collected.node_keys, collected.task_key, values)
 
@@ -227,7 +235,9 @@ def backward_arguments(
     return outs, grads, ins
 
 
-def collect_or_raise(outs: tuple, grads: tuple, ins: tuple, accumulate_grad: bool) -> CollectedBackward:
+def collect_or_raise(
+    outs: tuple, grads: tuple, ins: tuple, accumulate_grad: bool, create_graph: bool = False
+) -> CollectedBackward:
     """:func:`~cagrad.compiled_backward.collect_backward`, raising eager's own
     error where eager would raise (a freed graph, a modified saved tensor),
     and Unsupported under a functorch transform, before anything is collected
@@ -236,7 +246,7 @@ def collect_or_raise(outs: tuple, grads: tuple, ins: tuple, accumulate_grad: boo
 
     transforms.check_call(outs, grads, ins)
     try:
-        return collect_backward(outs, grads, ins, accumulate_grad=accumulate_grad)
+        return collect_backward(outs, grads, ins, accumulate_grad=accumulate_grad, create_graph=create_graph)
     except EagerError as e:
         raise e.cause from None
 

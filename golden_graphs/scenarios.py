@@ -39,12 +39,14 @@ class Backward:
         grad_outputs: their gradients (None: implicit ones for scalars).
         inputs: None for ``autograd.backward``; tensors for ``autograd.grad``.
         dynamic: capture with every size that may be dynamic as a symbol.
+        create_graph: capture the backward as ``create_graph=True`` runs it.
     """
 
     outputs: torch.Tensor | Sequence[torch.Tensor]
     grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None
     inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
     dynamic: bool = False
+    create_graph: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

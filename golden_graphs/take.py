@@ -30,7 +30,9 @@ def take(name: str, version: str | None = None) -> Snapshot:
     sc = scenarios.get(name)
     bw = scenarios.build(name)
     with key_fields.recording() as writers:
-        cap = cagrad.capture(bw.outputs, bw.grad_outputs, bw.inputs, dynamic=bw.dynamic)
+        cap = cagrad.capture(
+            bw.outputs, bw.grad_outputs, bw.inputs, dynamic=bw.dynamic, create_graph=bw.create_graph
+        )
     task_fields, *node_fields = key_fields.fields_of(writers, [cap.task_key, *cap.cache_keys])
     return Snapshot(
         scenario=name,

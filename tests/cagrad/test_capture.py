@@ -63,3 +63,37 @@ def test_captured_graph_computes_eager_gradients():
     by_leaf = {id(collected.task.order[pos].node.variable): outs[i] for pos, i in traced.leaf_outputs}
     for p in net.parameters():
         same(by_leaf[id(p)], p.grad)
+
+
+def test_create_graph_capture_is_what_a_create_graph_backward_compiles():
+    """capture(create_graph=True) gives the node keys and graph that
+    ``autograd.grad(..., create_graph=True)`` under cagrad compiles (seen by
+    an on_capture listener); its task key and graph differ from the plain
+    capture's."""
+    from cagrad import events
+    from golden_graphs.normalize import graph_text
+
+    def build():
+        torch.manual_seed(0)
+        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        return x, (x.tanh() * w * x).sum()
+
+    x, y = build()
+    cap = cagrad.capture(y, inputs=[x], create_graph=True)
+    plain = cagrad.capture(y, inputs=[x])
+    seen = []
+    events.on_capture.append(seen.append)
+    try:
+        with cagrad.enable("eager"):
+            x2, y2 = build()
+            (g,) = torch.autograd.grad(y2, x2, create_graph=True)
+    finally:
+        events.on_capture.remove(seen.append)
+    (event,) = seen
+    assert g.requires_grad
+    assert event.cache_keys == cap.cache_keys
+    assert graph_text(event.graph_module) == graph_text(cap.graph_module)
+    # the task key alone says create_graph (its first byte, the tag c)
+    assert cap.task_key.key == b"c" + plain.task_key.key and cap.cache_keys == plain.cache_keys
+    assert "aten.detach" in graph_text(plain.graph_module)
+    assert "aten.detach" not in graph_text(cap.graph_module)
