@@ -158,16 +158,17 @@ def test_tensor_self_test_rejects_values_without_the_storage_offset(built):
 
 
 def test_tensor_self_test_rejects_a_key_cached_by_layout(built):
-    """A ``tensor_key`` that remembers keys by type, sizes, strides and
-    offset gives a tensor of another dtype, or requires_grad, the key of the
-    first tensor of that layout (an equal int, not the same object); its
-    ``tensor`` is the real one."""
+    """A ``tensor_key`` that remembers the keys of tensors of one or more
+    dimensions by type, sizes, strides and offset gives a tensor of another
+    dtype, or requires_grad, the key of the first tensor of that layout (an
+    equal int, not the same object: the key of a CPU tensor of rank 1 or more
+    is above CPython's cached small ints); its ``tensor`` is the real one."""
     cache: dict = {}
 
     def cached(x, tensor_type):
         key = built.tensor_key(x, tensor_type)
-        if key is None:
-            return None
+        if key is None or x.dim() == 0:
+            return key
         layout = (tensor_type, tuple(x.shape), x.stride(), x.storage_offset())
         return int(str(cache.setdefault(layout, key)))  # a new int object
 
@@ -204,7 +205,8 @@ def test_reclaims_self_test_rejects_a_reclaim_that_leaves_a_live_alias(built):
         ok = real(handed, owners)
         if ok:
             for h, o in zip(handed, owners):
-                h.set_(o.untyped_storage(), o.storage_offset(), o.size(), o.stride())
+                if h.data_ptr() != o.data_ptr():  # moved: put it back
+                    h.set_(o.untyped_storage(), o.storage_offset(), o.size(), o.stride())
         return ok
 
     with pytest.raises(RuntimeError, match="did not move a live alias"):
