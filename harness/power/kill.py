@@ -56,6 +56,20 @@ TEST_FILES = (
     # walk self-tests exercise, guard_program, layout_ok, device_frees_fn
     # (survivors of the seed-0 sample in cagrad/native; about 2 s)
     "tests/cagrad/test_native_self_tests.py",
+    # added for the capture/run survivors of the seed-0 sample: the
+    # interpreter's gradient sums after a failed check, no retrace from
+    # shells of a conjugate lifted tensor, custom Functions' saved tensors
+    # released as the segmented run goes past them
+    "tests/cagrad/test_custom_function.py::test_returning_none_then_the_interpreter_sums_two_gradients",
+    "tests/cagrad/test_custom_function.py::test_returning_none_with_a_conjugate_saved_tensor_recaptures_instead_of_retracing",
+    "tests/cagrad/test_memory.py::test_a_segmented_backward_frees_a_custom_functions_saved_tensors_once_past_it",
+    "tests/cagrad/test_memory.py::test_a_segmented_backward_frees_each_nodes_saved_tensors_once_past_it",
+    # the order leaf_hook_groups cuts a graph in (graphs built there: fast)
+    "tests/cagrad/test_leaf_hook_groups.py",
+    # restride plans and _conform's stride checks of segmented runs
+    "tests/cagrad/test_segment_strides.py::test_a_value_crossing_segments_is_restrided_for_the_segment_that_reads_it",
+    "tests/cagrad/test_opaque_layouts.py::test_an_opaque_node_in_another_layout_hits_from_the_second_backward",
+    "tests/cagrad/test_opaque_layouts.py::test_strides_differing_only_in_a_dimension_of_one_element_are_the_assumed_places",
 )
 
 KILLERS = ("tests", "golden", "fuzz")

@@ -177,6 +177,57 @@ def test_returning_none_for_an_input_that_requires_grad():
     assert cagrad.counters["fallbacks"] == 0
 
 
+def test_returning_none_then_the_interpreter_sums_two_gradients():
+    """The interpreter finishes the first backward from the custom
+    Function's call: ``a``'s node then gets two gradients (through the
+    Function and through ``a * 2``), summed as eager's InputBuffer sums
+    them."""
+
+    def step(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        a = x.exp()
+        (NoGradForW.apply(a, w) + a * 2).sum().backward()
+        return x.grad, w.grad
+
+    expected = [step(s) for s in range(3)]
+    with cagrad.enable("eager"):
+        actual = [step(s) for s in range(3)]
+    for (ex, ew), (ax, aw) in zip(expected, actual):
+        same(ex, ax)
+        assert ew is None and aw is None
+    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+
+
+def test_returning_none_with_a_conjugate_saved_tensor_recaptures_instead_of_retracing():
+    """``MulBackward0`` saves the conjugate view ``x.conj()`` (conjugate
+    bit set). A trace after the run freed it could fake it only from
+    metadata without that bit (cagrad.capture.shells), so the first
+    backward's failed check is not traced again at its end: the second
+    backward captures (with the seen pattern), the third hits."""
+
+    def step(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+        c = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        y = x.conj() * c
+        assert y.grad_fn._saved_self.is_conj()
+        NoGradForW.apply(y.real, w).sum().backward()
+        return x.grad, c.grad, w.grad
+
+    expected = [step(s) for s in range(3)]
+    with cagrad.enable("eager"):
+        actual = [step(s) for s in range(3)]
+    for (ex, ec, ew), (ax, ac, aw) in zip(expected, actual):
+        same(ex, ax)
+        same(ec, ac)
+        assert ew is None and aw is None
+    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 0
+    assert cagrad.counters["captures"] == 2 and cagrad.counters["cache_hits"] == 1
+
+
 def test_module_full_backward_hooks_use_a_custom_function():
     def build(tr):
         m = torch.nn.Linear(3, 2)

@@ -100,3 +100,27 @@ def _assert_topological(order):
     for node in order:
         assert all(a in seen for a in node.all_input_nodes), node
         seen.add(node)
+
+
+def test_a_group_ends_before_an_item_read_of_a_tensor_ops_result(limit):
+    """Only item reads of the placeholders (the graph's inputs, hooks,
+    sizes) let a group wait past them; the read of a multi-result op's
+    item is a tensor op like any other: the group runs before it."""
+    g = torch.fx.Graph()
+    inputs, hooks = g.placeholder("inputs"), g.placeholder("hooks")
+    g.placeholder("sizes")
+    x = g.call_function(operator.getitem, (inputs, 0))
+    var_mean = g.call_function(torch.ops.aten.var_mean.correction, (x,))
+    var = g.call_function(operator.getitem, (var_mean, 0))
+    var.meta["val"] = torch.empty(10)  # 40 bytes: the limit
+    leaf = g.call_function(operator.getitem, (hooks, 0))
+    acc = g.call_function(runtime_ops.accumulate, (leaf, var, None))
+    cpp = g.call_function(operator.getitem, (hooks, 1))
+    post = g.call_function(runtime_ops.cpp_post_hooks, (cpp,))
+    mean = g.call_function(operator.getitem, (var_mean, 1))
+    out = g.call_function(torch.ops.aten.sin.default, (mean,))
+    g.output([out])
+    limit(40)
+    order = leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS)
+    assert order[order.index(cpp) + 1 :] == [acc, post, mean, out, order[-1]]
+    _assert_topological(order)

@@ -332,3 +332,53 @@ def test_a_segmented_backward_adopts_a_gradient_into_grad_as_eager_does(backend,
     assert eager == [(not keep, True), (False, True), (False, True)]
     assert _adoptions(backend, keep) == eager
     assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2
+
+
+class _SavesItsResult(torch.autograd.Function):
+    """exp, saving its result with ``ctx.save_for_backward``: under cagrad
+    a custom Function's node runs as PyNode would (an opaque call), and its
+    saved tensors are released by the run, not lifted into the graph."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def _custom_saved_alive_at_the_first_layer(compiled: str | None) -> list[bool]:
+    """Per backward: whether the tensor the custom Function saved is still
+    alive at ``w1``'s post-accumulate-grad hook, after that node ran (and
+    the ``MmBackward0`` that saved the same tensor). Eager releases a
+    PyNode's saved tensors right after it ran."""
+    seen: list[bool] = []
+    torch.manual_seed(0)
+    w1 = torch.randn(32, 32).mul_(0.1).requires_grad_()
+    w2 = torch.randn(32, 32).mul_(0.1).requires_grad_()
+
+    def one():
+        h = _SavesItsResult.apply(torch.randn(8, 32) @ w1)
+        ref = StorageWeakRef(h.untyped_storage())
+        loss = (h @ w2).sum()
+        del h
+        handle = w1.register_post_accumulate_grad_hook(lambda _: seen.append(not ref.expired()))
+        loss.backward()
+        handle.remove()
+        w1.grad = w2.grad = None
+
+    _three_backwards(one, compiled)
+    return seen
+
+
+def test_a_segmented_backward_frees_a_custom_functions_saved_tensors_once_past_it():
+    """The nodes run as they are (cagrad.run.runtime._PastNodes' calls) are
+    released as the run goes past them too, not only at its end."""
+    cagrad.reset()
+    assert _custom_saved_alive_at_the_first_layer(None) == [False] * 3
+    assert _custom_saved_alive_at_the_first_layer("eager") == [False] * 3
+    assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2

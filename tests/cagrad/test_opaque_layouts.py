@@ -180,3 +180,45 @@ def test_an_opaque_node_in_another_layout_hits_from_the_second_backward(backend)
     assert c["opaque_reasons"] == {"trace_failed:GroupedMmBackward0": 1}
     assert c["fallbacks"] == 0 and c["deopts"] == 1 and c["retraces"] == 1
     assert c["captures"] == 1 and c["cache_hits"] == steps - 1
+
+
+class _OtherStrideInADimensionOfOne(torch.autograd.Function):
+    """Backward returns its (4, 1) gradient with strides (1, 4): the
+    contiguous strides (1, 1) but in the dimension of one element."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty_strided((4, 1), (1, 4)).copy_(g * 2)
+
+
+def _dimension_of_one_run(seed: int):
+    torch.manual_seed(seed)
+    x = torch.randn(4, 1, requires_grad=True)
+    w = torch.randn(4, 1, requires_grad=True)
+    h = x.exp()
+    seen = []
+    h.register_hook(lambda g: seen.append(g.stride()) or None)
+    (_OtherStrideInADimensionOfOne.apply(h) * w).sum().backward()
+    return seen[0], x.grad, w.grad
+
+
+def test_strides_differing_only_in_a_dimension_of_one_element_are_the_assumed_places():
+    """Such a gradient addresses the places the trace assumed
+    (cagrad.capture.segments._conform): the graph goes on with a view of
+    it, without the interpreter; no layout is learnt, and every backward
+    after the capture hits."""
+    expected = [_dimension_of_one_run(s) for s in range(3)]
+    assert expected[0][0] == (1, 4)
+    cagrad.reset()
+    with cagrad.enable("eager"):
+        got = [_dimension_of_one_run(s) for s in range(3)]
+    for (e_strides, e_x, e_w), (g_strides, g_x, g_w) in zip(expected, got):
+        assert _strides(torch.empty_strided((4, 1), g_strides)) == _strides(torch.empty_strided((4, 1), e_strides))
+        torch.testing.assert_close(g_x, e_x, rtol=0, atol=0)
+        torch.testing.assert_close(g_w, e_w, rtol=0, atol=0)
+    assert cagrad.counters["deopts"] == 0 and cagrad.counters["retraces"] == 0
+    assert cagrad.counters["captures"] == 1 and cagrad.counters["cache_hits"] == 2
