@@ -91,3 +91,33 @@ def test_nodes_saved_in_more_hook_scopes_than_kept_run_their_hooks(monkeypatch):
 
     trace = check(build)
     assert sorted(kind for kind, _ in trace) == [f"unpack {k}" for k in range(7)]
+
+
+def test_a_saved_tensor_list_with_hooks_unpacks_when_its_node_runs():
+    """IndexBackward0 saves its index tensors as a list: with foreign hooks on
+    them the node runs as it is, so their unpack hook runs when eager runs
+    it, after the later ExpBackward0's, not while the backward is collected
+    (a survivor of the mutation run, docs/mutation-testing.md: slots of
+    saved tensor lists left unclaimed made the node traceable, its indices
+    read, hooks run, at collection)."""
+
+    def build(tr):
+        x = torch.randn(4, 3, requires_grad=True)
+        idx = torch.tensor([0, 2, 2])
+
+        def unpacker(label):
+            def unpack(t):
+                tr.append((label, t))
+                return t
+
+            return unpack
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, unpacker("unpack index")):
+            y = x[idx, idx]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, unpacker("unpack exp")):
+            z = y.exp()
+        z.sum().backward()
+        return [x.grad]
+
+    trace = check(build)
+    assert [label for label, _ in trace] == ["unpack exp", "unpack index", "unpack index"]

@@ -118,3 +118,51 @@ def test_the_sources_read_are_recognized():
     kinds = sorted(kind for kind, _ in shape_env._SITES.values())
     assert kinds == ["exact"] * 4 + ["metadata", "probe"], kinds
     assert shape_env._PROBED is is_contiguous_for_memory_format_or_false
+
+
+_AUDITED_TORCH = pytest.mark.skipif(
+    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only",
+)
+
+
+@_AUDITED_TORCH
+def test_broadcast_in_dim_to_its_own_sizes_needs_no_guard(env):
+    """``prims.broadcast_in_dim`` of (s, 6) to (s, 6): its two broadcast-
+    dimension queries (is the size 1; is it the target size) are answered
+    without a guard, and the strides (6, 1) hold for every s (a survivor of
+    the mutation run, docs/mutation-testing.md: the queries' line numbers
+    computed wrongly made them guards, 1 kept out, and no check noticed)."""
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        a = torch.empty_strided((s, 6), (6, 1))
+        out = torch._prims.broadcast_in_dim(a, [s, 6], [0, 1])
+    assert out.stride() == (6, 1)
+    assert all(_accepts(env, sym, v) for v in (1, 2, 9)), env.guards
+
+
+def test_a_query_asked_by_a_site_itself_is_answered(env, monkeypatch):
+    """The search for a site starts at the frame that asked the query: a
+    site that calls ``evaluate_expr`` itself (as a torch whose
+    ``_extract_tensor_metadata``, recognized whatever its source, may) has
+    its query answered without a guard."""
+    sym, _ = _symbol(env, 4)
+
+    def site():
+        return env.evaluate_expr(sympy.Eq(sym, 1), fallback_value=False)
+
+    monkeypatch.setattr(shape_env, "_SITES", {**shape_env._SITES, site.__code__: (shape_env.METADATA, None)})
+    assert site() == sympy.false
+    assert env.guards == [] and _accepts(env, sym, 1)
+
+
+def test_tensor_metadata_of_a_layout_that_depends_on_the_value_needs_no_guard(env):
+    """``_extract_tensor_metadata`` (``node.meta["tensor_meta"]``) of (6, s)
+    with strides (1, 6), contiguous at s == 1 only: its contiguity queries
+    fill metadata alone and are answered without a guard."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    sym, s = _symbol(env, 4)
+    with FakeTensorMode(shape_env=env):
+        _extract_tensor_metadata(torch.empty_strided((6, s), (1, 6)))
+    assert all(_accepts(env, sym, v) for v in (1, 2, 9)), env.guards
