@@ -45,6 +45,8 @@ def _examples():
         x[:, -2:].sum(),
         x.split(2)[1].sum() + x.split(2)[2].sum(),
         x.split([1, 5], 1)[0].sum(),
+        x.split(2)[0].sum(),  # the last, shorter chunk (1 of 5 rows) gets no gradient: zeros of its size
+        torch.ops.aten.slice.Tensor(x, 0, 1).sum(),  # end None (x[1:] saves int64 max instead)
         x[:, :1].squeeze(1).sum(),
         x[:1, :1].squeeze().sum(),
         x[:1].squeeze((0,)).sum(),
@@ -142,3 +144,73 @@ def test_undefined_gradient_in_undefined_out(undefined):
     node = x.sum(0).grad_fn
     out = formulas.apply(type(node).__name__, node, [None], _attr(node), lambda i: None)
     assert out == [None]
+
+
+# -- end to end: the formulas traced with symbolic sizes, against eager ----------
+def _split_last_chunk_unused(x):
+    # 10 or 11 rows in chunks of 4: the last chunk (2 or 3 rows) gets no
+    # gradient, so the formula builds its zeros from the size it derives
+    a, b, _ = x.split(4)
+    return (a.exp() * 2).sum() + b.sin().sum()
+
+
+def _slice_without_end(x):
+    return (torch.ops.aten.slice.Tensor(x, 0, 2) ** 2).sum()
+
+
+def _index_select(x):
+    return (x.index_select(0, torch.tensor([0, 2, 2])) * 3).sum()
+
+
+@pytest.mark.parametrize("program", [_split_last_chunk_unused, _slice_without_end, _index_select])
+def test_symbolic_formulas_match_eager_autograd(program):
+    """Each program under ``dynamic=True`` (formulas traced with symbolic
+    sizes; no node forced to run as it is) gives eager autograd's gradient."""
+    import cagrad
+
+    xs = [torch.randn(rows, 4, requires_grad=True) for rows in (10, 11)]
+    expected = [torch.autograd.grad(program(x), x)[0] for x in xs]
+    with cagrad.enable("eager", dynamic=True):
+        actual = [torch.autograd.grad(program(x), x)[0] for x in xs]
+    for e, a in zip(expected, actual):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert cagrad.counters["nodes_forced_opaque"] == 0, dict(cagrad.counters["opaque_reasons"])
+    assert cagrad.counters["captures"] >= 1
+
+
+def test_prod_over_a_dim_traces_under_create_graph():
+    """ProdBackward1 over a dim of size 3 (not 1) under ``create_graph``:
+    its gradient is differentiable whatever the data, so the node is traced,
+    not run as it is (an opaque ``call_node`` in the graph); first and second
+    derivatives equal eager's."""
+    import cagrad
+    from torch._dynamo import register_backend
+
+    graphs = []
+
+    @register_backend(name="cagrad_test_formulas_recording")
+    def _recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def build():
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+        (g,) = torch.autograd.grad(x.prod(1).sum(), x, create_graph=True)
+        (h,) = torch.autograd.grad((g * g).sum(), x)
+        return g.detach(), h
+
+    expected = build()
+    with cagrad.enable("cagrad_test_formulas_recording"):
+        actual = build()
+    for e, a in zip(expected, actual):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    calls = [
+        n.target.__name__
+        for gm in graphs
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "__module__", "") == "cagrad.capture.runtime_ops"
+    ]
+    assert graphs and "call_node" not in calls, calls

@@ -325,3 +325,23 @@ def test_integer_root_gradient_is_cast_as_eager_casts_it():
     (e,), (c,) = run_both(build)
     same(e, c)
     assert e.dtype == torch.float32
+
+
+def test_batch_norm_with_update_is_compiled():
+    """BatchNormWithUpdateBackward0 keeps a ``bool retain_variables`` Python
+    cannot see (bookkeeping of its saved tensors' release, not an input of
+    its formula): its backward is compiled, not sent to eager as hidden
+    state, and equals eager's."""
+
+    def build():
+        x = torch.randn(4, 3, 5, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        y = torch.ops.aten._batch_norm_with_update(x, w, b, torch.zeros(3), torch.ones(3), 0.1, 1e-5)[0]
+        assert type(y.grad_fn).__name__ == "BatchNormWithUpdateBackward0"
+        return torch.autograd.grad((y * y).sum(), (x, w, b))
+
+    expected, actual = run_both(build)
+    for e, a in zip(expected, actual):
+        same(e, a)
+    assert_compiled()
