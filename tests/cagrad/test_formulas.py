@@ -179,38 +179,33 @@ def test_symbolic_formulas_match_eager_autograd(program):
     assert cagrad.counters["captures"] >= 1
 
 
-def test_prod_over_a_dim_traces_under_create_graph():
-    """ProdBackward1 over a dim of size 3 (not 1) under ``create_graph``:
-    its gradient is differentiable whatever the data, so the node is traced,
-    not run as it is (an opaque ``call_node`` in the graph); first and second
-    derivatives equal eager's."""
-    import cagrad
-    from torch._dynamo import register_backend
+def _eager_grad_requires_grad(op, data: torch.Tensor) -> bool:
+    x = data.clone().requires_grad_()
+    (g,) = torch.autograd.grad(op(x), x, torch.ones_like(op(x)), create_graph=True)
+    return g.requires_grad
 
-    graphs = []
 
-    @register_backend(name="cagrad_test_formulas_recording")
-    def _recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+PROD_CASES = {
+    "all": (lambda x: x.prod(), (2, 3)),
+    "all_of_one": (lambda x: x.prod(), (1, 1)),
+    "dim_of_three": (lambda x: x.prod(1), (2, 3)),
+    "dim_of_two": (lambda x: x.prod(0, keepdim=True), (2, 3)),
+    "dim_of_one": (lambda x: x.prod(1), (3, 1)),
+    "last_dim_of_one": (lambda x: x.prod(-1, keepdim=True), (2, 1)),
+}
 
-    def build():
-        torch.manual_seed(0)
-        x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
-        (g,) = torch.autograd.grad(x.prod(1).sum(), x, create_graph=True)
-        (h,) = torch.autograd.grad((g * g).sum(), x)
-        return g.detach(), h
 
-    expected = build()
-    with cagrad.enable("cagrad_test_formulas_recording"):
-        actual = build()
-    for e, a in zip(expected, actual):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
-    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
-    calls = [
-        n.target.__name__
-        for gm in graphs
-        for n in gm.graph.nodes
-        if n.op == "call_function" and getattr(n.target, "__module__", "") == "cagrad.capture.runtime_ops"
-    ]
-    assert graphs and "call_node" not in calls, calls
+@pytest.mark.parametrize("name", sorted(PROD_CASES))
+def test_prod_runs_as_is_exactly_where_eager_depends_on_the_data(name):
+    """Under ``create_graph`` a prod node must run as it is exactly where
+    whether eager's gradient requires grad depends on the data (found here
+    by running eager on data with and without a zero): a traced graph
+    cannot reproduce that, and elsewhere the node is traced."""
+    op, shape = PROD_CASES[name]
+    torch.manual_seed(0)
+    plain = torch.rand(shape) + 0.5
+    zeros = torch.zeros(shape)
+    data_dependent = _eager_grad_requires_grad(op, plain) != _eager_grad_requires_grad(op, zeros)
+    x = plain.clone().requires_grad_()
+    node = op(x).grad_fn
+    assert formulas.runs_as_is(node, type(node).__name__) == data_dependent
