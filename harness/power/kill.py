@@ -78,6 +78,17 @@ TEST_FILES = (
     "tests/cagrad/test_hit_guard_values.py",
     "tests/cagrad/test_key_values.py",
     "tests/cagrad/test_trace_shape_env.py",
+    # survivors of cagrad/autograd (seed-0 sample): helpers against independent
+    # definitions (dense layouts, hooks only the census found, BackwardState
+    # graphs); a heap of four; the fallback reason under torch.func; which
+    # outputs CopySlices and generated nodes compute under inputs=; zeros
+    # for a custom Function's non-differentiable output
+    "tests/cagrad/test_autograd_contracts.py",
+    "tests/cagrad/test_ready_queue.py::test_matches_std_priority_queue_with_ties",
+    "tests/cagrad/test_torch_func.py::test_fallback_leaves_nothing_behind",
+    "tests/cagrad/test_hook_parity.py::test_post_hook_of_an_opaque_node_under_autograd_grad",
+    "tests/cagrad/test_hook_parity.py::test_post_hook_under_backward_with_inputs",
+    "tests/cagrad/test_custom_function.py::test_non_differentiable_and_non_tensor_outputs_materialize_like_eager",
 )
 
 KILLERS = ("tests", "golden", "fuzz")

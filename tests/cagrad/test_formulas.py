@@ -45,6 +45,8 @@ def _examples():
         x[:, -2:].sum(),
         x.split(2)[1].sum() + x.split(2)[2].sum(),
         x.split([1, 5], 1)[0].sum(),
+        x.split(2)[0].sum(),  # the last, shorter chunk (1 of 5 rows) gets no gradient: zeros of its size
+        torch.ops.aten.slice.Tensor(x, 0, 1).sum(),  # end None (x[1:] saves int64 max instead)
         x[:, :1].squeeze(1).sum(),
         x[:1, :1].squeeze().sum(),
         x[:1].squeeze((0,)).sum(),
@@ -142,3 +144,68 @@ def test_undefined_gradient_in_undefined_out(undefined):
     node = x.sum(0).grad_fn
     out = formulas.apply(type(node).__name__, node, [None], _attr(node), lambda i: None)
     assert out == [None]
+
+
+# -- end to end: the formulas traced with symbolic sizes, against eager ----------
+def _split_last_chunk_unused(x):
+    # 10 or 11 rows in chunks of 4: the last chunk (2 or 3 rows) gets no
+    # gradient, so the formula builds its zeros from the size it derives
+    a, b, _ = x.split(4)
+    return (a.exp() * 2).sum() + b.sin().sum()
+
+
+def _slice_without_end(x):
+    return (torch.ops.aten.slice.Tensor(x, 0, 2) ** 2).sum()
+
+
+def _index_select(x):
+    return (x.index_select(0, torch.tensor([0, 2, 2])) * 3).sum()
+
+
+@pytest.mark.parametrize("program", [_split_last_chunk_unused, _slice_without_end, _index_select])
+def test_symbolic_formulas_match_eager_autograd(program):
+    """Each program under ``dynamic=True`` (formulas traced with symbolic
+    sizes; no node forced to run as it is) gives eager autograd's gradient."""
+    import cagrad
+
+    xs = [torch.randn(rows, 4, requires_grad=True) for rows in (10, 11)]
+    expected = [torch.autograd.grad(program(x), x)[0] for x in xs]
+    with cagrad.enable("eager", dynamic=True):
+        actual = [torch.autograd.grad(program(x), x)[0] for x in xs]
+    for e, a in zip(expected, actual):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert cagrad.counters["nodes_forced_opaque"] == 0, dict(cagrad.counters["opaque_reasons"])
+    assert cagrad.counters["captures"] >= 1
+
+
+def _eager_grad_requires_grad(op, data: torch.Tensor) -> bool:
+    x = data.clone().requires_grad_()
+    (g,) = torch.autograd.grad(op(x), x, torch.ones_like(op(x)), create_graph=True)
+    return g.requires_grad
+
+
+PROD_CASES = {
+    "all": (lambda x: x.prod(), (2, 3)),
+    "all_of_one": (lambda x: x.prod(), (1, 1)),
+    "dim_of_three": (lambda x: x.prod(1), (2, 3)),
+    "dim_of_two": (lambda x: x.prod(0, keepdim=True), (2, 3)),
+    "dim_of_one": (lambda x: x.prod(1), (3, 1)),
+    "last_dim_of_one": (lambda x: x.prod(-1, keepdim=True), (2, 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROD_CASES))
+def test_prod_runs_as_is_exactly_where_eager_depends_on_the_data(name):
+    """Under ``create_graph`` a prod node must run as it is exactly where
+    whether eager's gradient requires grad depends on the data (found here
+    by running eager on data with and without a zero): a traced graph
+    cannot reproduce that, and elsewhere the node is traced."""
+    op, shape = PROD_CASES[name]
+    torch.manual_seed(0)
+    plain = torch.rand(shape) + 0.5
+    zeros = torch.zeros(shape)
+    data_dependent = _eager_grad_requires_grad(op, plain) != _eager_grad_requires_grad(op, zeros)
+    x = plain.clone().requires_grad_()
+    node = op(x).grad_fn
+    assert formulas.runs_as_is(node, type(node).__name__) == data_dependent

@@ -121,3 +121,35 @@ def test_a_saved_tensor_list_with_hooks_unpacks_when_its_node_runs():
 
     trace = check(build)
     assert [label for label, _ in trace] == ["unpack exp", "unpack index", "unpack index"]
+
+
+def test_node_saved_in_an_outer_scope_after_an_inner_one_runs_its_hooks():
+    """Nested scopes of saved-tensor hooks: the inner one closes first, so
+    the outer interval is added over it; a node saved in the outer scope
+    after the inner one closed still runs its unpack hook as in eager (a
+    survivor of the mutation run, docs/mutation-testing.md: an interval
+    merge that kept the inner interval beside the outer one hid that node)."""
+    from cagrad.autograd import saved_variables
+
+    def build(tr):
+        saved_variables._intervals.clear()  # this run's scopes only
+
+        def unpacker(k):
+            def unpack(t):
+                tr.append((f"unpack {k}", t))
+                return t
+
+            return unpack
+
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, unpacker("outer")):
+            a = x.exp()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, unpacker("inner")):
+                b = a.sin()
+            c = b.exp() * a.cos()  # saved after the inner scope closed
+            d = c.tanh()
+        d.sum().backward()
+        return [x.grad]
+
+    trace = check(build)
+    assert sorted(kind for kind, _ in trace).count("unpack outer") >= 4

@@ -325,3 +325,31 @@ def test_integer_root_gradient_is_cast_as_eager_casts_it():
     (e,), (c,) = run_both(build)
     same(e, c)
     assert e.dtype == torch.float32
+
+
+def test_batch_norm_with_update_is_compiled():
+    """BatchNormWithUpdateBackward0 keeps a ``bool retain_variables`` Python
+    cannot see (bookkeeping of its saved tensors' release, not an input of
+    its formula): the node is traced into the graph (not run as it is, an
+    opaque ``call_node``, for hidden state) and the gradients equal eager's."""
+
+    def forward():
+        x = torch.randn(4, 3, 5, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        b = torch.randn(3, requires_grad=True)
+        y = torch.ops.aten._batch_norm_with_update(x, w, b, torch.zeros(3), torch.ones(3), 0.1, 1e-5)[0]
+        assert type(y.grad_fn).__name__ == "BatchNormWithUpdateBackward0"
+        return (y * y).sum(), (x, w, b)
+
+    def build():
+        loss, inputs = forward()
+        return torch.autograd.grad(loss, inputs)
+
+    expected, actual = run_both(build)
+    for e, a in zip(expected, actual):
+        same(e, a)
+    assert_compiled()
+    loss, inputs = forward()
+    graph = cagrad.capture(loss, inputs=inputs).graph_module.graph
+    calls = [getattr(n.target, "__name__", "") for n in graph.nodes if n.op == "call_function"]
+    assert "call_node" not in calls, calls
