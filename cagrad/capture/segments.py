@@ -507,7 +507,7 @@ def _conform(value: Any, spec: Any, free: bool, learn: bool) -> Any:
     A non-strided ``value`` passes as it is where ``free`` (see
     :func:`layout_free`); elsewhere it fails the check. Strides that differ
     only in dimensions of one element (or of an empty tensor) are the same
-    places: a view takes the assumed ones. Other strides: with ``learn``, a
+    places: the value goes on as it is (as eager's). Other strides: with ``learn``, a
     dense ``value`` fails the check (the interpreter hands it on as eager
     does, and the next capture assumes its dimension order); else, and for
     a layout with gaps or overlaps, it is copied into the assumed strides.
@@ -525,7 +525,7 @@ def _conform(value: Any, spec: Any, free: bool, learn: bool) -> Any:
     if tuple(actual) == stride:
         return value
     if 0 in shape or _same_places(shape, actual, stride):
-        return value.as_strided(shape, stride, value.storage_offset())
+        return value  # the same places; as it is, so .grad keeps eager's strides
     if learn and dense_strides(shape, actual):
         return _OTHER_LAYOUT
     # the assumed strides are dense (cagrad.capture.compiler._spec_of)
