@@ -63,7 +63,9 @@ same as with the guard at every value the variant's check accepts:
   ``empty_strided``), by the expression (``Eq(size, 0)`` of one of the
   call's sizes, each at most once and in order: a further query guards),
   by the source of ``constructors`` and, the C++ not being readable from
-  Python, by the torch version (2.13.0, 2.14.1).
+  Python, by the torch version (2.13.0, 2.14.1: on both the query was seen
+  to come once per symbolic size through ``SymNode.guard_or_false``, and
+  nothing else is asked from that call).
 * ``scatter_gather_dtype_check`` and ``scatter_shape_check`` of
   ``torch._meta_registrations`` (``scatter_add``'s meta, the backward of
   ``gather``): whether the index is empty only decides whether checks run

@@ -158,8 +158,8 @@ def test_a_split_whose_number_of_outputs_follows_a_size():
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
 
 
-# sizes of 0: the dynamic capture (the second size) traces n as a symbol at
-# 0, then at 3 (where the general branch is eager's)
+# sizes of 0: the dynamic capture (at the second size) traces n as a symbol
+# at 0 in the first list, at 2 in the second (0 comes later)
 ZERO_SIZES = [[2, 0, 3, 0, 1, 4, 0], [3, 2, 0, 1, 0, 5]]
 
 
@@ -167,9 +167,7 @@ def _strided_leaf(n: int):
     """A leaf ``t`` (n, 3) with strides (6, 2) (every other column of an
     (n, 6) tensor): not dense for n >= 2, so its ``.grad`` is a contiguous
     copy of the gradient; with no element it is dense, and eager's
-    ``AccumulateGrad`` gives ``.grad`` its strides (6, 2). With sympy's
-    ``positive`` assumption on the symbol (torch's backed sizes), the
-    trace's ``n == 0`` would be False without a guard."""
+    ``AccumulateGrad`` gives ``.grad`` its strides (6, 2)."""
     t = torch.randn(n, 6)[:, ::2].detach().requires_grad_()
     w = torch.randn(n, 3)
     return [t], (t * w).sum()
@@ -183,9 +181,9 @@ def test_a_leaf_whose_grad_layout_differs_at_zero(sizes):
 def _prod_over_rows(n: int):
     """``x`` (n, 3) multiplied over its rows: the traced ``ProdBackward1``
     formula (``cagrad.autograd.formulas``) branches on ``x`` having no
-    element, where the general formula's ``narrow(0, 0, n - 1)`` is an
-    error. With sympy's ``positive`` assumption on the symbol, ``numel ==
-    0`` would be False without a guard, and the graph would fail at 0."""
+    element (a guard on the symbol: with sympy's ``positive`` assumption it
+    would be decided False without one); ``y``'s gradient is the product
+    over no row at 0, ones."""
     x = torch.randn(n, 3, requires_grad=True)
     y = torch.randn(2, 3, requires_grad=True)
     return [x, y], (x.prod(0) * y).sum()
