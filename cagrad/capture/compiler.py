@@ -340,11 +340,11 @@ class AutogradCompilerInstance:
     stop being equal (a batch of 4 beside a layer of width 4), after which
     they stay apart.
 
-    Sizes of 1: ``distinct_slots`` get symbols that may be 1 (range
-    ``[1, inf]``, :func:`cagrad.capture.shape_env.create_symbol`), traced in
-    a :class:`~cagrad.capture.shape_env.TraceShapeEnv`; other slots keep
-    torch's specialization of 0 and 1 (range ``[2, inf]``), and a slot that
-    is 0 at capture stays static.
+    Sizes of 0 and 1: ``distinct_slots`` get symbols that may be 0 or 1
+    (range ``[0, inf]``, or ``[1, inf]`` with 0 specialized on a torch whose
+    sources were not read for it, :func:`cagrad.capture.shape_env.create_symbol`),
+    traced in a :class:`~cagrad.capture.shape_env.TraceShapeEnv`; other
+    slots keep torch's specialization of 0 and 1 (range ``[2, inf]``).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The ShapeEnv of a symbolic trace: sizes of 1 as symbols.
+"""The ShapeEnv of a symbolic trace: sizes of 0 and 1 as symbols.
 
 torch's ShapeEnv specializes 0 and 1 (``specialize_zero_one``): a size that
 is 0 or 1 when its symbol is made becomes a constant, and every symbol gets
@@ -6,8 +6,9 @@ the range ``[2, inf]``. For sizes that change from backward to backward (a
 mixture of experts whose router sends an expert no token, one, or many)
 that meant one capture per pattern of which sizes were 0, 1 or more, up to
 ``too_many_size_variants``. The slots that changed since the first capture
-are therefore traced with symbols that may be 1 (:func:`create_symbol`,
-range ``[1, inf]``); 0 stays specialized (see :func:`create_symbol`).
+are therefore traced with symbols that may be 0 or 1 (:func:`create_symbol`,
+range ``[0, inf]``, without sympy's ``positive`` assumption; ``[1, inf]``
+with 0 specialized where the storage-size site below is not recognized).
 
 With those symbols the trace asks many questions whose answer differs at 1
 (``Ne(s, 1)``, ``s*d >= 2``), nearly all through torch's
@@ -44,6 +45,35 @@ same as with the guard at every value the variant's check accepts:
   above, and ATen's ``expand``). The new-dimension query of
   ``_broadcast_in_dim_meta`` (stride 0 for a new dimension of size 1, where
   the other path gives another stride) is not one of them: it guards.
+* Sizes of 0. ``fake_impls.constructors`` running ``aten.empty_strided``
+  on the meta device (every lifted tensor's fake, and the outputs that meta
+  functions make with ``empty_strided``): its C++ (``computeStorageNbytes``
+  in aten/src/ATen/EmptyTensor.cpp, through ``empty_strided_symint_meta``)
+  asks ``guard_or_false(size == 0)`` once per size, in order, to return a
+  byte count of 0 early; the fallback computes the strided formula, which
+  differs from 0 at 0 only for layouts with gaps or zero strides. The
+  answer is only the meta storage's byte count: the fake's sizes, strides,
+  offset, dtype and device are the ones passed either way, and the meta
+  allocator ignores the count. A fake's storage size is no real one anyway
+  (a lifted view's real storage is its base's), nothing in the trace reads
+  it for the graph, and hooks cannot reach storages (``untyped_storage``,
+  ``set_`` and ``resize_`` are refused in traced hooks). Recognized by the
+  stack (the query reaches ``SymNode.guard_or_false`` straight from the C++
+  of the ``OpOverload.__call__`` that ``constructors`` makes for
+  ``empty_strided``), by the expression (``Eq(size, 0)`` of one of the
+  call's sizes, each at most once and in order: a further query guards),
+  by the source of ``constructors`` and, the C++ not being readable from
+  Python, by the torch version (2.13.0, 2.14.1: on both the query was seen
+  to come once per symbolic size through ``SymNode.guard_or_false``, and
+  nothing else is asked from that call).
+* ``scatter_gather_dtype_check`` and ``scatter_shape_check`` of
+  ``torch._meta_registrations`` (``scatter_add``'s meta, the backward of
+  ``gather``): whether the index is empty only decides whether checks run
+  (the index's dtype; index sizes no larger than the others'). Both
+  functions return nothing; the fallback runs the checks, which either
+  pass (the dtype is no symbol; a size check that depends on the values
+  is a ``torch._check``, a guard here) or raise, and the trace fails into
+  a counted fallback.
 
 The compiler turns this on (``answer_queries``) only for a trace with a
 symbol that may be 1 and no node of more than one input: the number of a
@@ -55,7 +85,9 @@ Each function is recognized by its code object, and only while its source
 is one of the versions read for this (torch 2.13.0 and 2.14.1: a hash of
 the source of it and of the functions it calls); with any other source it
 guards as before, so a torch that changed one of them costs captures, not
-correctness. Every other query (fake kernels' output strides, C++
+correctness (a torch whose storage-size site is not recognized keeps 0
+specialized: with symbols that may be 0, every fake would guard
+``Ne(s, 0)``). Every other query (fake kernels' output strides, C++
 autograd formulas, cagrad's own code) guards as before. torch's
 ``backed_size_oblivious`` is not used: it answers every such query by its
 fallback, which takes the general branch where eager would branch on a
@@ -96,7 +128,15 @@ _AUDITED = {
     "check_contiguous_sizes_strides": {"eba4d232cddd0629"},
     "is_channels_last_contiguous_2d": {"722c95692d6dee32"},
     "is_channels_last_contiguous_3d": {"16debccc6924701b"},
+    "constructors": {"d642508a9a6d67fb", "253421596250a31a"},
+    "scatter_gather_dtype_check": {"1abe3a85b5fe5a9f"},
+    "scatter_shape_check": {"d8ce544e9a77b6c0"},
 }
+
+# the C++ storage-size computation (computeStorageNbytes in
+# aten/src/ATen/EmptyTensor.cpp) cannot be hashed: it was read for these
+# torch versions only
+_AUDITED_CPP = ("2.13.0", "2.14.1")
 
 # the two queries of _broadcast_in_dim_meta answered without a guard
 _BROADCAST_DIM_QUERIES = (
@@ -104,7 +144,13 @@ _BROADCAST_DIM_QUERIES = (
     "guard_or_false(a.shape[original_idx] == shape[idx])",
 )
 
-METADATA, EXACT, PROBE = "metadata", "exact", "probe"
+# the empty-index queries of the scatter meta functions' checks
+_SCATTER_QUERIES = {
+    "scatter_gather_dtype_check": ("guard_or_true(index.numel() != 0)",),
+    "scatter_shape_check": ("guard_or_false(index.numel() == 0)",),
+}
+
+METADATA, EXACT, PROBE, STORAGE = "metadata", "exact", "probe", "storage"
 
 
 def _source_hash(fn: Any) -> str:
@@ -118,6 +164,15 @@ def _audited(fns: dict[str, Any]) -> bool:
             log.info("cagrad: torch's %s is not the version read for sizes of 1; its queries guard", name)
             return False
     return True
+
+
+def _add_lines(sites: dict[Any, tuple[str, frozenset[int] | None]], fn: Any, queries: tuple[str, ...]) -> None:
+    """Makes ``fn`` an ``EXACT`` site for the lines of ``queries`` (each
+    found once)."""
+    lines, first = inspect.getsourcelines(fn)
+    numbers = frozenset(first + i for i, line in enumerate(lines) if any(q in line for q in queries))
+    if len(numbers) == len(queries):
+        sites[fn.__code__] = (EXACT, numbers)
 
 
 def _sites() -> tuple[dict[Any, tuple[str, frozenset[int] | None]], Callable[..., Any] | None]:
@@ -145,14 +200,17 @@ def _sites() -> tuple[dict[Any, tuple[str, frozenset[int] | None]], Callable[...
 
         if _audited({"infer_size": fake_impls.infer_size}):
             sites[fake_impls.infer_size.__code__] = (EXACT, None)
+        if _storage_site_audited():
+            sites[fake_impls.constructors.__code__] = (STORAGE, None)
         meta = prims._broadcast_in_dim_meta
         if _audited({"_broadcast_in_dim_meta": meta}):
-            lines, first = inspect.getsourcelines(meta)
-            numbers = frozenset(
-                first + i for i, line in enumerate(lines) if any(q in line for q in _BROADCAST_DIM_QUERIES)
-            )
-            if len(numbers) == len(_BROADCAST_DIM_QUERIES):
-                sites[meta.__code__] = (EXACT, numbers)
+            _add_lines(sites, meta, _BROADCAST_DIM_QUERIES)
+        import torch._meta_registrations as metas
+
+        for name, queries in _SCATTER_QUERIES.items():
+            fn = getattr(metas, name)
+            if _audited({name: fn}):
+                _add_lines(sites, fn, queries)
         names = (
             "is_contiguous_for_memory_format_or_false",
             "is_contiguous_for_memory_format",
@@ -167,6 +225,16 @@ def _sites() -> tuple[dict[Any, tuple[str, frozenset[int] | None]], Callable[...
     except Exception:  # any failure leaves the sites found so far
         log.info("cagrad: reading torch's broadcasting and contiguity functions failed", exc_info=True)
     return sites, probe
+
+
+def _storage_site_audited() -> bool:
+    import torch
+    from torch._subclasses import fake_impls
+
+    if torch.__version__.split("+")[0] not in _AUDITED_CPP:
+        log.info("cagrad: torch %s's storage-size computation was not read; sizes of 0 stay specialized", torch.__version__)
+        return False
+    return _audited({"constructors": fake_impls.constructors})
 
 
 _SITES: dict[Any, tuple[str, frozenset[int] | None]] | None = None
@@ -185,31 +253,93 @@ def zero_one_symbols() -> bool:
     return bool(_SITES) and not isinstance(ShapeEnv, internals.Missing)
 
 
+def zero_symbols() -> bool:
+    """Whether those symbols may be 0 too: this torch's storage-size
+    computation and ``fake_impls.constructors`` are the ones read for it
+    (module docstring)."""
+    _load()
+    return zero_one_symbols() and any(kind == STORAGE for kind, _ in _SITES.values())
+
+
 def create_symbol(env: Any, value: int, source: Any, zero_one: bool) -> Any:
     """A symbol of ``env`` for a size slot of ``value`` (``DYNAMIC``: no
     duck sizing, the caller does that), or the constant a specialized value
     becomes.
 
-    ``zero_one``: a value of 1 is a symbol too, and the symbol's range is
-    ``[1, inf]`` (``do_not_specialize_zero_one``); 0 stays specialized.
-    torch's backed size symbols carry sympy's ``positive`` assumption, with
-    which sympy decides ``Eq(s, 0)`` (and ``6*s < 2``) to be False on its
-    own, so a symbol that may be 0 would be wrong at 0 without a guard.
-    Without that assumption (as torch makes its unbacked sizes) the trace
-    guards ``Ne(s, 0)`` in the C++ storage-size computation of every fake
-    tensor made with the symbol (``empty_strided`` in
-    ``torch._subclasses.fake_impls.constructors``) and in
-    ``scatter_gather_dtype_check`` (``index.numel() != 0``), which split 0
-    off again (docs/checkpointing-and-dynamic-sizes.md). Else: torch's
-    default (0 and 1 specialized, range ``[2, inf]``).
+    ``zero_one``: a value of 0 or 1 is a symbol too
+    (``do_not_specialize_zero_one``), of range ``[0, inf]`` where
+    :func:`zero_symbols` holds, else ``[1, inf]`` (0 specialized). A symbol
+    that may be 0 is made without sympy's ``positive`` assumption, which
+    torch's backed size symbols carry and with which sympy decides
+    ``Eq(s, 0)`` (and ``6*s < 2``) to be False on its own, wrongly at 0;
+    without it every such question is a guard (or one of the queries the
+    module docstring lists). Else: torch's default (0 and 1 specialized,
+    range ``[2, inf]``).
     """
-    if not zero_one or value == 0:
-        return env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
     from torch.utils._sympy.numbers import int_oo
 
+    if zero_one and zero_symbols():
+        sym = env.create_symbol(
+            value, source, dynamic_dim=DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True
+        )
+        env.constrain_symbol_range(sym, 0, int_oo)
+        return sym
+    if not zero_one or value == 0:
+        return env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC)
     sym = env.create_symbol(value, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True)
     env.constrain_symbol_range(sym, 1, int_oo)
     return sym
+
+
+def _storage_size_query(ctor: Any, called: Any, expr: Any, start: int) -> int | None:
+    """The position among the sizes of the ``aten.empty_strided`` that
+    ``fake_impls.constructors`` (frame ``ctor``) runs on the meta device
+    whose zero test ``expr`` is, at ``start`` or after; None if the query is
+    not one of them or not asked by the C++ of that call (``called``, the
+    frame below ``ctor``, is ``OpOverload.__call__``, and the query came from
+    C++ straight into ``SymNode.guard_or_false``).
+
+    In the sources read (module docstring) these are the zero tests of
+    ``computeStorageNbytes``, asked once per size in order; their answers
+    only pick the meta storage's byte count (0, or the strided formula).
+    The fake tensor's sizes, strides, offset, dtype and device are the same
+    either way. A query past the last size (or one asked twice) guards.
+    """
+    import torch
+    from torch._ops import OpOverload
+
+    empty_strided = torch.ops.aten.empty_strided.default
+    if expr.is_number or called is None or called.f_code is not OpOverload.__call__.__code__:
+        return None
+    if called.f_locals.get("self") is not empty_strided or ctor.f_locals.get("func") is not empty_strided:
+        return None
+    if not _asked_from_cpp(called):
+        return None
+    sizes = (ctor.f_locals.get("new_kwargs") or {}).get("size")
+    if not isinstance(sizes, (list, tuple)):
+        return None
+    for i in range(start, len(sizes)):
+        s = sizes[i]
+        if isinstance(s, torch.SymInt) and expr == sympy.Eq(s.node.expr, 0):
+            return i
+    return None
+
+
+def _asked_from_cpp(called: Any) -> bool:
+    """Whether the innermost ``SymNode.guard_or_false`` frame of the
+    current stack was called from C++ inside ``called`` (its Python caller
+    is ``called`` itself)."""
+    from torch.fx.experimental.sym_node import SymNode
+
+    frame = sys._getframe(1)
+    target = SymNode.guard_or_false.__code__
+    for _ in range(_MAX_DEPTH):
+        if frame is None or frame is called:
+            return False
+        if frame.f_code is target:
+            return frame.f_back is called
+        frame = frame.f_back
+    return False
 
 
 def _load() -> None:
@@ -254,6 +384,10 @@ def _trace_shape_env_class() -> Any:
             # the outermost probed frame and whether its probe returned
             # True (the frame is kept, so that its id is not reused)
             _probed: tuple[Any, bool] | None = None
+            # the OpOverload.__call__ frame of the empty_strided whose
+            # storage-size queries are being answered, and the position of
+            # the next size
+            _storage_call: tuple[Any, int] | None = None
 
             def evaluate_expr(
                 self,
@@ -273,7 +407,7 @@ def _trace_shape_env_class() -> Any:
                     fallback_value is not None
                     and self.answer_queries
                     and _SITES
-                    and self._without_guard(sys._getframe(1))
+                    and self._without_guard(sys._getframe(1), orig_expr)
                 ):
                     return self._fallback(orig_expr, fallback_value)
                 return super().evaluate_expr(
@@ -287,11 +421,11 @@ def _trace_shape_env_class() -> Any:
                 self.unguarded += 1
                 return sympy.true if fallback_value else sympy.false
 
-            def _without_guard(self, frame: Any) -> bool:
+            def _without_guard(self, frame: Any, expr: Any) -> bool:
                 """Whether the query asked from ``frame``'s stack is one of
                 the sites (module docstring)."""
                 first = None
-                probed_frame = None
+                probed_frame = below = None
                 for _ in range(_MAX_DEPTH):
                     if frame is None:
                         break
@@ -301,13 +435,20 @@ def _trace_shape_env_class() -> Any:
                         if kind == METADATA:
                             return True
                         if first is None:
-                            first = (kind, lines, frame)
+                            first = (kind, lines, frame, below)
                         if kind == PROBE:
                             probed_frame = frame  # the outermost one wins
-                    frame = frame.f_back
+                    below, frame = frame, frame.f_back
                 if first is None:
                     return False
-                kind, lines, at = first
+                kind, lines, at, called = first
+                if kind == STORAGE:
+                    start = self._storage_call[1] if self._storage_call and self._storage_call[0] is called else 0
+                    i = _storage_size_query(at, called, expr, start)
+                    if i is None:
+                        return False
+                    self._storage_call = (called, i + 1)  # the frame is kept: its id is not reused
+                    return True
                 if kind == EXACT:
                     return lines is None or at.f_lineno in lines
                 return self._probe(probed_frame)
@@ -327,8 +468,9 @@ def _trace_shape_env_class() -> Any:
                 return proven
 
             def forget_probe(self) -> None:
-                """Drops the kept frame (at the end of a trace)."""
+                """Drops the kept frames (at the end of a trace)."""
                 self._probed = None
+                self._storage_call = None
 
         _cls = TraceShapeEnv
     return _cls

@@ -16,7 +16,8 @@ tracing: the graph's nodes (:mod:`cagrad.compile.graph_serde`), the fake value o
 every ``inputs[i]`` and ``sizes[j]`` read (dtype, device, sizes, strides and
 offset as expressions over the trace's symbols), the symbols in the order
 the trace created them (each recreated from its source name, so it gets the
-same name), the :class:`~cagrad.keys.sizes.SizeCheck` as data, the size inputs as
+same name, and with sympy's ``positive`` assumption or without it, as the
+trace made it: :func:`cagrad.capture.shape_env.create_symbol`), the :class:`~cagrad.keys.sizes.SizeCheck` as data, the size inputs as
 expressions, and the input/output plan (``input_indices``,
 ``leaf_outputs``, ``capture_outputs``, ``aliases_input``). It is taken right
 after the trace, before the backend adds its guards (the backend adds them
@@ -315,8 +316,8 @@ def traced_to_data(traced: Any) -> dict[str, Any]:
         for source, sym in created.items():
             if not isinstance(sym, sympy.Symbol) or sym not in values:
                 raise NotSerializable("shape_env", f"symbol {sym} of {source}")
-            symbols.append([source, sym.name, int(values[sym])])
-        names = {name for _, name, _ in symbols}
+            symbols.append([source, sym.name, int(values[sym]), bool(sym.is_positive)])
+        names = {name for _, name, _, _ in symbols}
         if any(sym.name not in names for sym in check.bound_symbols):
             raise NotSerializable("shape_env", "a bound symbol the ShapeEnv did not create")
         if len(check.derived_exprs) != len(check.derived):
@@ -403,12 +404,12 @@ def traced_from_data(
     else:
         by_name = {}
         for item in symbol_list:
-            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
+            if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
                 raise ValueError("malformed symbol list")
-            _, name, hint = item
-            if not isinstance(name, str) or type(hint) is not int or name in by_name:
+            _, name, hint, positive = item
+            if not isinstance(name, str) or type(hint) is not int or type(positive) is not bool or name in by_name:
                 raise ValueError("malformed symbol list")
-            by_name[name] = sympy.Symbol(name, integer=True, positive=True)
+            by_name[name] = sympy.Symbol(name, integer=True, positive=True if positive else None)
         bound_names = cd["bound"]
         if not isinstance(bound_names, list) or any(n not in by_name for n in bound_names):
             raise ValueError("the check binds an unknown symbol")
@@ -435,11 +436,20 @@ def traced_from_data(
     point: dict[Any, Any] = {}
     if symbol_list is not None:
         env = ShapeEnv()
-        for source, name, stored in symbol_list:
+        for source, name, stored, positive in symbol_list:
             hint = sym_of.get(by_name[name], stored)
             if hint < 2:
                 return None  # would be specialized: trace instead
-            sym = env.create_symbol(hint, ConstantSource(source), dynamic_dim=DimDynamic.DYNAMIC)
+            if positive:
+                sym = env.create_symbol(hint, ConstantSource(source), dynamic_dim=DimDynamic.DYNAMIC)
+            else:  # a symbol that may be 0 (cagrad.capture.shape_env.create_symbol)
+                from torch.utils._sympy.numbers import int_oo
+
+                sym = env.create_symbol(
+                    hint, ConstantSource(source), dynamic_dim=DimDynamic.DYNAMIC, positive=None,
+                    do_not_specialize_zero_one=True,
+                )
+                env.constrain_symbol_range(sym, 0, int_oo)
             if sym != by_name[name]:
                 raise ValueError(f"the ShapeEnv names the symbol of {source} {sym}, not {name}")
             point[sym] = sympy.Integer(hint)

@@ -10,8 +10,7 @@ every capture (:class:`cagrad.capture.compiler.AutogradCompilerInstance`).
 Before, two experts' counts that happened to be equal at the dynamic
 capture shared a symbol, and the next step that told them apart captured
 again, until ``too_many_size_variants`` sent the layer to eager for good.
-Counts of 1 are symbols too (:mod:`cagrad.capture.shape_env`); counts
-of 0 are still specialized.
+Counts of 0 and 1 are symbols too (:mod:`cagrad.capture.shape_env`).
 """
 
 from __future__ import annotations
@@ -133,14 +132,20 @@ def test_expert_counts_of_one_settle_at_two_captures():
     assert c["captures"] == 2 and c["cache_hits"] == steps - 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a count of 0 is specialized: an expert with no token recaptures "
-    "(docs/checkpointing-and-dynamic-sizes.md)",
+@pytest.mark.skipif(
+    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only; "
+    "other versions specialize sizes of 0 (sound, more captures)",
 )
-def test_expert_counts_of_zero_and_one_settle_at_two_captures():
+@pytest.mark.parametrize("seed", [2, 3])
+def test_expert_counts_of_zero_and_one_settle_at_two_captures(seed):
+    """50 steps whose counts include 0 and 1 (the first step sends one
+    expert no token and another one): the counts' symbols may be 0
+    (:mod:`cagrad.capture.shape_env`), so a static capture and a dynamic
+    one serve every pattern of which experts get no token (before: 4 and 3
+    captures for these seeds)."""
     steps = 50
-    _check(_count_sets(2, 0, steps), steps)
+    _check(_count_sets(seed, 0, steps), steps)
     c = cagrad.counters
     assert c["fallbacks"] == 0, dict(c["fallback_reasons"])
-    assert c["captures"] <= 2
+    assert c["captures"] <= 2 and c["captures"] + c["cache_hits"] == steps

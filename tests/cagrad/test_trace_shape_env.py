@@ -44,14 +44,16 @@ def env():
 
 
 def test_contiguous_at_every_value_needs_no_guard(env):
-    """(s, 6) with strides (6, 1) is contiguous for every s: the probe
-    proves it, and nothing keeps 1 out (0 is out of the symbol's range)."""
+    """(s, 6) with strides (6, 1) is contiguous for every s (at 0 it has no
+    element): the probe proves it, and nothing keeps 0 or 1 out (where
+    :func:`shape_env.zero_symbols` holds; else 0 is out of the range)."""
     sym, s = _symbol(env, 4)
     with FakeTensorMode(shape_env=env):
         t = torch.empty_strided((s, 6), (6, 1))
         assert is_contiguous_for_memory_format_or_false(t, memory_format=torch.contiguous_format)
     assert env.guards == []
-    assert all(_accepts(env, sym, v) for v in (1, 2, 7)) and not _accepts(env, sym, 0)
+    assert all(_accepts(env, sym, v) for v in (1, 2, 7))
+    assert _accepts(env, sym, 0) == shape_env.zero_symbols()
 
 
 def test_contiguity_that_depends_on_the_value_is_guarded(env):
@@ -80,6 +82,61 @@ def test_queries_of_other_code_are_guarded(env):
     sym, s = _symbol(env, 4)
     assert not guard_or_false(s == 1)
     assert not _accepts(env, sym, 1) and _accepts(env, sym, 5)
+
+
+@pytest.fixture
+def zero_env(env):
+    if not shape_env.zero_symbols():
+        pytest.skip("sizes of 0 stay specialized on this torch (its storage-size computation was not read)")
+    return env
+
+
+def test_a_symbol_may_be_zero_and_sympy_does_not_decide_it(zero_env):
+    """The symbol has the range [0, inf] and no ``positive`` assumption:
+    ``s == 0`` is a question for the ShapeEnv (a guard), not False."""
+    sym, s = _symbol(zero_env, 4)
+    assert sym.is_positive is None
+    assert sympy.Eq(sym, 0) not in (sympy.true, sympy.false)
+    assert _accepts(zero_env, sym, 0)
+    assert not bool(s == 0)
+    assert not _accepts(zero_env, sym, 0) and _accepts(zero_env, sym, 1)
+
+
+def test_storage_size_of_a_fake_needs_no_guard(zero_env):
+    """``empty_strided`` of (s, 5) with strides (6, 1) (a gap) and of
+    (s, 3) with strides (0, 1) (expanded): the zero tests of the C++
+    storage-size computation are answered without a guard, the fakes'
+    sizes and strides are the given ones; only the storage's byte count
+    is the strided formula (not 0 at s == 0)."""
+    sym, s = _symbol(zero_env, 4)
+    with FakeTensorMode(shape_env=zero_env):
+        a = torch.empty_strided((s, 5), (6, 1))
+        b = torch.empty_strided((2, s, 3), (3 * s, 0, 1))
+    assert zero_env.guards == []
+    assert (a.shape, a.stride(), b.shape, b.stride()) == ((s, 5), (6, 1), (2, s, 3), (3 * s, 0, 1))
+    assert all(_accepts(zero_env, sym, v) for v in (0, 1, 5))
+
+
+def test_zero_tests_of_other_code_are_guarded(zero_env):
+    sym, s = _symbol(zero_env, 3)
+    assert not guard_or_false(s == 0)
+    assert not _accepts(zero_env, sym, 0) and _accepts(zero_env, sym, 1)
+
+
+def test_empty_index_checks_of_scatter_need_no_guard(zero_env):
+    """``scatter_add`` with an index of s rows: whether its index is empty
+    only decides whether dtype and shape checks run (they pass here), so
+    nothing keeps 0 out; an index of another dtype still fails."""
+    sym, s = _symbol(zero_env, 4)
+    with FakeTensorMode(shape_env=zero_env):
+        src = torch.empty_strided((s, 3), (3, 1))
+        index = torch.empty_strided((s, 3), (3, 1), dtype=torch.long)
+        wrong = torch.empty_strided((s, 3), (3, 1), dtype=torch.float)
+        torch.zeros(4, 3).scatter_add(0, index, src)
+        assert zero_env.guards == []
+        assert _accepts(zero_env, sym, 0)
+        with pytest.raises(RuntimeError, match="int32/int64"):
+            torch.zeros(4, 3).scatter_add(0, wrong, src)
 
 
 def test_elementwise_op_of_equal_shapes_needs_no_guard(env):
@@ -116,7 +173,8 @@ def test_the_sources_read_are_recognized():
     is recognized (a changed source would silently cost captures)."""
     shape_env._load()
     kinds = sorted(kind for kind, _ in shape_env._SITES.values())
-    assert kinds == ["exact"] * 4 + ["metadata", "probe"], kinds
+    assert kinds == ["exact"] * 6 + ["metadata", "probe", "storage"], kinds
+    assert shape_env.zero_symbols()
     assert shape_env._PROBED is is_contiguous_for_memory_format_or_false
 
 

@@ -156,3 +156,70 @@ def test_a_split_whose_number_of_outputs_follows_a_size():
     for e, g in zip(expected, got):
         same(e, g)
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+
+
+# sizes of 0: the dynamic capture (at the second size) traces n as a symbol
+# at 0 in the first list, at 2 in the second (0 comes later)
+ZERO_SIZES = [[2, 0, 3, 0, 1, 4, 0], [3, 2, 0, 1, 0, 5]]
+
+
+def _strided_leaf(n: int):
+    """A leaf ``t`` (n, 3) with strides (6, 2) (every other column of an
+    (n, 6) tensor): not dense for n >= 2, so its ``.grad`` is a contiguous
+    copy of the gradient; with no element it is dense, and eager's
+    ``AccumulateGrad`` gives ``.grad`` its strides (6, 2)."""
+    t = torch.randn(n, 6)[:, ::2].detach().requires_grad_()
+    w = torch.randn(n, 3)
+    return [t], (t * w).sum()
+
+
+@pytest.mark.parametrize("sizes", ZERO_SIZES)
+def test_a_leaf_whose_grad_layout_differs_at_zero(sizes):
+    _check(_strided_leaf, sizes)
+
+
+def _prod_over_rows(n: int):
+    """``x`` (n, 3) multiplied over its rows: the traced ``ProdBackward1``
+    formula (``cagrad.autograd.formulas``) branches on ``x`` having no
+    element (a guard on the symbol: with sympy's ``positive`` assumption it
+    would be decided False without one); ``y``'s gradient is the product
+    over no row at 0, ones."""
+    x = torch.randn(n, 3, requires_grad=True)
+    y = torch.randn(2, 3, requires_grad=True)
+    return [x, y], (x.prod(0) * y).sum()
+
+
+@pytest.mark.parametrize("sizes", ZERO_SIZES)
+def test_a_traced_formula_that_branches_on_no_element(sizes):
+    _check(_prod_over_rows, sizes)
+
+
+def _gapped_saved_tensors(n: int):
+    """``x[:, :3]`` (strides (5, 1)) and a row expanded to (n, 3) (strides
+    (0, 1)) saved for backward: the storage-size formula of their fakes is
+    not 0 at n == 0 (``cagrad.capture.shape_env``: it is answered without a
+    guard); the transposed leaf ``t`` of (n, 3) has strides (1, max(n, 1))."""
+    x = torch.randn(n, 5, requires_grad=True)
+    r = torch.randn(1, 3, requires_grad=True)
+    t = torch.randn(3, n).t().detach().requires_grad_()
+    a, b = x[:, :3], r.expand(n, 3)
+    return [x, r, t], (a * b * t).sum() + (a.exp() * t).sum()
+
+
+@pytest.mark.parametrize("sizes", ZERO_SIZES)
+def test_saved_tensors_with_gaps_and_zero_strides_at_zero(sizes):
+    _check(_gapped_saved_tensors, sizes)
+
+
+def _gather(n: int):
+    """``gather`` with an index of n rows: its backward's ``scatter_add``
+    checks the index's dtype and shape only where it is not empty (queries
+    answered without a guard: they only decide whether checks run)."""
+    x = torch.randn(4, 3, requires_grad=True)
+    idx = torch.randint(4, (n, 3))
+    return [x], (x.gather(0, idx) * torch.randn(n, 3)).sum()
+
+
+@pytest.mark.parametrize("sizes", ZERO_SIZES)
+def test_gather_with_an_index_that_is_sometimes_empty(sizes):
+    _check(_gather, sizes)
