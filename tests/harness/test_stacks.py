@@ -150,7 +150,10 @@ class PerturbOneGrad(EagerSubject):
             variable._execution_engine = inner
 
     def leaves(self, roots):
-        seen, out = set(), []
+        # seen holds the node objects, not only their ids: where torch makes
+        # a new Python object for a node each time (a freed one's id can be
+        # reused), ids alone would skip nodes never visited
+        seen, out = {}, []
         # a root is a tensor or a GradientEdge (its ``node``)
         roots = roots if isinstance(roots, (tuple, list)) else (roots,)
         stack = [getattr(r, "grad_fn", None) or getattr(r, "node", None) for r in roots]
@@ -158,7 +161,7 @@ class PerturbOneGrad(EagerSubject):
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             var = getattr(node, "variable", None)
             if var is not None and tuple(var.shape) == self.shape:
                 out.append(var)
