@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from fuzz.draws import rare
 from fuzz.ir import Hook, IRError, Program, ValueInfo, base_name, validate
 from fuzz.ir_graph import (
     FUNC_FNS,
@@ -190,10 +191,6 @@ def inner_grad_hook(trace: list, hook: Hook) -> Callable[[Any], Any]:
 
 
 # -------------------------------------------------------------- drawing
-def _rare(draw: Any, one_in: int) -> bool:
-    return draw(st.integers(0, one_in - 1)) == one_in - 1
-
-
 def _multi_index(ref: str) -> int:
     return int(ref.split(":", 1)[1]) if ":" in ref else -1
 
@@ -208,7 +205,7 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
     out."""
     values = [v for v in pool if v.requires_grad]
     nonzero = [v.ref for v in values if _multi_index(v.ref) >= 1]
-    if nonzero and _rare(draw, 6):
+    if nonzero and rare(draw, 6):
         ones = [r for r in nonzero if r.endswith(":1")]
         if ones and draw(st.booleans()):
             roots: tuple[str, ...] = (draw(st.sampled_from(ones)),)
@@ -219,19 +216,19 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
         program = _try(
             program, roots=roots, loss="separate", inputs=None if program.mode == "backward" else program.inputs
         )
-    if values and _rare(draw, 12):
+    if values and rare(draw, 12):
         info = values[-1 - draw(st.integers(0, len(values) - 1))]
         transform = TRANSFORMS[draw(st.integers(0, len(TRANSFORMS) - 1))]
         term = FuncTerm("f0", transform, draw(st.sampled_from(FUNC_FNS)), info.ref)
         program = _try(program, func_terms=(term,))
         if not program.func_terms:
             program = _try(program, func_terms=(dataclasses.replace(term, transform="grad"),))
-    if values and _rare(draw, 12):
+    if values and rare(draw, 12):
         refs = tuple(draw(st.lists(st.sampled_from([v.ref for v in values]), min_size=1, max_size=2, unique=True)))
         program = _try(program, double_backward=DoubleBackward(refs, draw(st.sampled_from(PENALTIES))))
     if program.double_backward is None and two_tensor_class()[0] is not None:
         eligible = [leaf.name for leaf in program.leaves if _subclass_ok(program, leaf.name)]
-        if eligible and _rare(draw, 20):
+        if eligible and rare(draw, 20):
             program = _try(program, subclass_leaves=(draw(st.sampled_from(eligible)),))
     return program
 
@@ -243,7 +240,7 @@ def draw_hook_action(draw: Any, actions: Sequence[str]) -> str:
     the first action."""
     common = [a for a in actions if a != "inner_grad"] or list(actions)
     action = draw(st.sampled_from(common))
-    if action == "observe" and "inner_grad" in actions and _rare(draw, 4):
+    if action == "observe" and "inner_grad" in actions and rare(draw, 4):
         return "inner_grad"
     return action
 

@@ -42,6 +42,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fuzz.ir_check import is_int as _is_int
+
 MAX_STEPS = 3
 OPTIMIZERS = ("sgd", "adam")
 #: selective checkpoint policies: what ``policy_fn`` returns per op
@@ -103,10 +105,6 @@ class Checkpoint:
 _TRAIN_FIELDS = {"steps", "optimizer", "lr", "foreach", "set_to_none", "fresh"}
 _CHECKPOINT_FIELDS = {"ops", "use_reentrant", "policy"}
 FIELDS = ("train", "checkpoint")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # ----------------------------------------------------------------- parsing

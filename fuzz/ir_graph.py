@@ -3,8 +3,8 @@ a compiled autograd may get wrong, beyond ops and hooks.
 
 Three optional :class:`~fuzz.ir.Program` fields live here (their runtime,
 rendering, drawing, reduction and neighbours are in
-:mod:`fuzz.features_graph`; this module imports nothing of ``fuzz.ir`` so
-that the IR can call it):
+:mod:`fuzz.features_graph`; this module imports nothing of ``fuzz.ir`` but
+its shared checks, :mod:`fuzz.ir_check`, so that the IR can call it):
 
 * ``func_terms``: :class:`FuncTerm` s, each a 0-d term
   ``transform(fn)(value)`` computed with ``torch.func`` after the forward,
@@ -37,9 +37,10 @@ without them read and write as before.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from fuzz.ir_check import Expect, check_identifier
 
 TRANSFORMS = ("grad", "vjp", "jacrev", "vmap", "vmap_grad")
 """``torch.func`` forms of a :class:`FuncTerm` (see :mod:`fuzz.features_graph`)."""
@@ -64,10 +65,7 @@ SUBCLASS_OPS = frozenset(
 """Ops that take a ``TwoTensor`` (or a value computed from one) under eager
 (``tests/fuzz/test_fuzz_graph_features.py`` runs each)."""
 
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 FIELDS = ("func_terms", "subclass_leaves", "double_backward")
-
-Expect = Callable[[bool, str, str], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,11 +165,7 @@ def check(program: Any, values: Mapping[str, Any], resolve: Callable[[Any, str],
     for i, term in enumerate(program.func_terms):
         where = f"func_terms[{i}]"
         expect(isinstance(term, FuncTerm), where, f"expected a FuncTerm, got {term!r}")
-        expect(
-            isinstance(term.name, str) and bool(_NAME_RE.match(term.name)),
-            f"{where}.name",
-            f"invalid name {term.name!r} (expected an identifier)",
-        )
+        check_identifier(term.name, f"{where}.name", expect)
         expect(term.name not in taken, f"{where}.name", f"name {term.name!r} is taken (a value, hook or other term)")
         taken.add(term.name)
         expect(

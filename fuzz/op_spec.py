@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from fuzz.ir_check import is_int as _is_int
+
 Shape = tuple[int, ...]
 DrawFn = Callable[[st.SearchStrategy[Any]], Any]
 Plan = tuple[list[Shape], dict[str, Any]]
@@ -61,10 +63,6 @@ class Attr:
 
     kind: str
     choices: tuple[Any, ...] | None = None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_value(kind: str, value: Any) -> str | None:

@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 from fuzz import features_graph
 from fuzz import ops as catalog
 from fuzz import training_gen
+from fuzz.draws import rare
 from fuzz.ir import (
     DTYPES,
     HOOK_KINDS,
@@ -141,11 +142,6 @@ class GenConfig:
         return op_slots(tuple(self.op_names()), self.op_weights)
 
 
-def _rare(draw: Any, one_in: int = 8) -> bool:
-    """True about once in ``one_in`` draws; shrinks to False."""
-    return draw(st.integers(0, one_in - 1)) == one_in - 1
-
-
 def _first_shape(draw: Any, spec: catalog.OpSpec) -> tuple[int, ...] | None:
     ranks = [
         r for r in range(catalog.MAX_RANK + 1) if spec.accepts((1,) * r) or spec.accepts((2,) * r)
@@ -180,9 +176,9 @@ class _Builder:
         if dtype is None:
             dtype = self.dtype
             others = [d for d in self.cfg.dtypes if d != dtype]
-            if self.cfg.mixed_dtypes and others and _rare(draw):
+            if self.cfg.mixed_dtypes and others and rare(draw):
                 dtype = draw(st.sampled_from(others))
-        requires_grad = not (self.leaves and self.cfg.no_grad_leaves and _rare(draw, 6))
+        requires_grad = not (self.leaves and self.cfg.no_grad_leaves and rare(draw, 6))
         leaf = Leaf(f"x{len(self.leaves)}", tuple(shape), dtype, requires_grad)
         self.leaves.append(leaf)
         info = ValueInfo(leaf.name, leaf.shape, dtype, requires_grad, is_leaf=True)
@@ -223,9 +219,9 @@ class _Builder:
         else:
             firsts = [v for v in self.pool if spec.accepts(v.shape)]
         first: ValueInfo | None
-        if firsts and (spec.inplace_first or not (len(self.leaves) < self.cfg.max_leaves and _rare(draw))):
+        if firsts and (spec.inplace_first or not (len(self.leaves) < self.cfg.max_leaves and rare(draw))):
             # mostly the newest value, so that programs grow deep, not wide
-            back = 0 if len(firsts) == 1 or not _rare(draw, 3) else draw(st.integers(1, len(firsts) - 1))
+            back = 0 if len(firsts) == 1 or not rare(draw, 3) else draw(st.integers(1, len(firsts) - 1))
             first = firsts[-1 - back]
         else:
             shape = _first_shape(draw, spec)
@@ -288,7 +284,7 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     sinks = [v.ref for v in op_values if v.ref not in consumed and v.ref != main.ref]
     roots = [main.ref]
     for ref in reversed(sinks):  # most other sinks become roots too
-        if len(roots) < cfg.max_roots and not _rare(draw, 4):
+        if len(roots) < cfg.max_roots and not rare(draw, 4):
             roots.append(ref)
     loss = draw(st.sampled_from(list(cfg.losses)))
     mode = draw(st.sampled_from(list(cfg.modes)))
@@ -299,11 +295,11 @@ def _programs(draw: Any, cfg: GenConfig) -> Program:
     inputs: list[str] | None = None
     if mode == "grad":
         inputs = draw(st.lists(st.sampled_from(rg_needed), min_size=1, max_size=3, unique=True))
-    elif cfg.inputs_restriction and rg_leaves and _rare(draw, 5):
+    elif cfg.inputs_restriction and rg_leaves and rare(draw, 5):
         inputs = draw(st.lists(st.sampled_from(rg_leaves), min_size=1, max_size=3, unique=True))
 
     retain_graph, repeat = None, 1
-    if cfg.repeat and _rare(draw, 6):
+    if cfg.repeat and rare(draw, 6):
         retain_graph, repeat = True, 2
     hooks = _draw_hooks(draw, cfg, b, needed) if cfg.hooks else []
     seed = draw(st.integers(0, 2**32 - 1))
@@ -361,7 +357,7 @@ def _draw_resizes(draw: Any, cfg: GenConfig, program: Program) -> Program:
         chosen = draw(st.lists(st.sampled_from(olds), min_size=1, max_size=min(2, len(olds)), unique=True))
         step = []
         for old in sorted(chosen):
-            new = 1 if _rare(draw, 6) else draw(st.sampled_from([n for n in _NEW_SIZES if n != old]))
+            new = 1 if rare(draw, 6) else draw(st.sampled_from([n for n in _NEW_SIZES if n != old]))
             step.append((old, new))
         candidate = dataclasses.replace(program, resizes=(tuple(step),))
         try:
@@ -393,7 +389,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
     multi-output op (split, unbind, fn_sin_cos) mostly gets a twin on another
     output. Shrinks to no hooks, then to ``tensor``/``observe``."""
     values = [v for v in b.pool if v.requires_grad and base_name(v.ref) in needed]
-    if not values or cfg.max_hooks < 1 or _rare(draw, 4):
+    if not values or cfg.max_hooks < 1 or rare(draw, 4):
         return []
     count = draw(st.integers(1, cfg.max_hooks))
     hooks: list[Hook] = []
@@ -406,7 +402,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
         kind = draw(st.sampled_from(kinds))
         targets = _hook_targets(kind, values)
         target: ValueInfo | None = None
-        if hooks and _rare(draw, 3):
+        if hooks and rare(draw, 3):
             prev = hooks[-1].target
             base, _, index = prev.partition(":")
             siblings = [v for v in targets if index and v.ref.startswith(base + ":") and v.ref != prev]
@@ -434,7 +430,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
         siblings = [v for v in _hook_targets(kind, values) if index and v.ref.startswith(base + ":") and v.ref != target.ref]
         if kind == "retain_grad" and cfg.retain_grad_once:
             siblings = [v for v in siblings if b.tensor_of(v.ref) not in retained]
-        if siblings and len(hooks) < cfg.max_hooks and not _rare(draw, 3):
+        if siblings and len(hooks) < cfg.max_hooks and not rare(draw, 3):
             # a hook of the same kind on another output of that multi-output op
             other = siblings[draw(st.integers(0, len(siblings) - 1))]
             hooks.append(Hook(f"h{i}s", kind, other.ref, action, arg))

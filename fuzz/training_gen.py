@@ -24,6 +24,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fuzz.draws import rare
 from fuzz.features_training import (
     MAX_STEPS,
     OPTIMIZERS,
@@ -34,10 +35,6 @@ from fuzz.features_training import (
 )
 
 LEARNING_RATES = (0.1, 0.01)
-
-
-def _rare(draw: Any, one_in: int) -> bool:
-    return draw(st.integers(0, one_in - 1)) == one_in - 1
 
 
 def _valid(program: Any) -> bool:
@@ -53,26 +50,26 @@ def _valid(program: Any) -> bool:
 def draw_features(draw: Any, program: Any, train: bool = True, checkpoint: bool = True) -> Any:
     """``program`` (valid, pruned) with maybe a ``train`` and maybe a
     ``checkpoint`` field (see the module doc); always valid."""
-    if checkpoint and program.ops and _rare(draw, 8):
+    if checkpoint and program.ops and rare(draw, 8):
         n = len(program.ops)
         for _ in range(3):
             start = draw(st.integers(0, n - 1))
             length = draw(st.integers(1, min(3, n - start)))
             reentrant = draw(st.booleans())
             policy = None
-            if not reentrant and has_selective() and _rare(draw, 3):
+            if not reentrant and has_selective() and rare(draw, 3):
                 policy = draw(st.sampled_from(POLICIES))
             names = tuple(op.name for op in program.ops[start : start + length])
             candidate = dataclasses.replace(program, checkpoint=Checkpoint(names, reentrant, policy))
             if _valid(candidate):
                 program = candidate
                 break
-    if train and program.mode == "backward" and _rare(draw, 8):
+    if train and program.mode == "backward" and rare(draw, 8):
         fresh = []
         for leaf in program.leaves:
-            if not leaf.requires_grad and not _rare(draw, 4):
+            if not leaf.requires_grad and not rare(draw, 4):
                 fresh.append(leaf.name)  # the data: drawn anew at each step
-            elif leaf.requires_grad and _rare(draw, 6):
+            elif leaf.requires_grad and rare(draw, 6):
                 fresh.append(leaf.name)  # an input that requires grad
         t = Training(
             steps=draw(st.integers(1, MAX_STEPS)),
