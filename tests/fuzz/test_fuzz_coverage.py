@@ -59,10 +59,15 @@ def test_the_op_table_holds_ops_by_weight_spread_evenly() -> None:
     assert len(slots) == OP_SLOTS and slots[0] == names[0]
     # 73 ops of weight 1 and 7 rare ones of 1/4 (mul_inplace, the random and
     # dynamic ops): 4096 / 74.75 = 54.8 slots each, 13.7 for a rare one
+    # (torch 2.11: 72 of weight 1, no aminmax: 55.5 and 13.9)
+    from fuzz.ops_graph import AMINMAX
+
     rare = {"mul_inplace", "dropout", "rand_mul", "bernoulli_mask", "nonzero_scatter", "masked_select_scatter", "moe"}
-    assert len(names) == 80 and rare <= set(names)
+    assert len(names) == (80 if AMINMAX else 79) and rare <= set(names)
+    share = OP_SLOTS / (len(names) - len(rare) + len(rare) / 4)
     per = {n: slots.count(n) for n in names}
-    assert all(per[n] in (13, 14) for n in rare) and all(per[n] in (54, 55) for n in names if n not in rare)
+    assert all(int(share / 4) <= per[n] <= int(share / 4) + 1 for n in rare)
+    assert all(int(share) <= per[n] <= int(share) + 1 for n in names if n not in rare)
     # evenly spread: any 256 consecutive slots (one value of the high byte)
     # hold every op of weight 1 three or four times (256 / 74.75 = 3.4)
     for start in range(0, OP_SLOTS, 256):
