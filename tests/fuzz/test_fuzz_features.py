@@ -557,11 +557,20 @@ def test_cagrad_agrees_with_eager_on_generated_programs(cagrad_oracle: Oracle, p
 #    also leads to another input: eager captures t's gradient before t's
 #    hooks run, torch_ca after them (value mismatch);
 #  * retain_grad() on a non-leaf under autograd.grad: .grad stays None.
+#  * a reentrant checkpoint region with a pre hook: torch_ca records the
+#    hooks in another order than eager (seen when the whole tests/fuzz folder
+#    was collected, which changes what Hypothesis draws);
+#  * the graph features (torch.func, TwoTensor, double backward, a backward
+#    inside a hook) came after this list was made; the campaign compares
+#    torch_ca on them, against the known-issues file (double backward of a
+#    hooked input is one of its torch_ca entries).
 # So: one root, mode "backward" without inputs=, no post-hook drop, no
 # post-accumulate-grad hooks, no multi-output ops, no DetachSecond, no
-# mul_inplace.
+# mul_inplace, no checkpoint regions, no graph features.
 TORCH_CA_CONFIG = GenConfig(
     max_ops=6,
+    checkpoint=False,
+    graph_features=False,
     max_roots=1,
     modes=("backward",),
     inputs_restriction=False,
