@@ -91,3 +91,20 @@ def captured() -> list:
     cagrad.events.on_capture.append(events.append)
     yield events
     cagrad.events.on_capture.remove(events.append)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The C++ extension's metadata readers (``cagrad.native.metadata_fns()``);
+    fails where a C++ compiler is installed but the extension did not build,
+    skips where there is no compiler."""
+    import os
+    import shutil
+
+    from cagrad import native
+
+    if native.load() is None:
+        if shutil.which(os.environ.get("CXX", "c++")) is not None:
+            pytest.fail("a C++ compiler is installed but the cagrad extension did not build (see the cagrad warning)")
+        pytest.skip("no C++ compiler: the extension cannot be built")
+    return native.metadata_fns()

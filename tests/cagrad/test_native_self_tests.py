@@ -12,9 +12,7 @@ let through: a self-test whose case was weakened accepted them.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
 import types
 
 import pytest
@@ -24,15 +22,6 @@ from cagrad import native
 from cagrad.native import build as native_build
 from cagrad.native import guard_program as gp
 from cagrad.native import self_tests
-
-
-@pytest.fixture(scope="module")
-def built():
-    if native.load() is None:
-        if shutil.which(os.environ.get("CXX", "c++")) is not None:
-            pytest.fail("a C++ compiler is installed but the cagrad extension did not build (see the cagrad warning)")
-        pytest.skip("no C++ compiler: the extension cannot be built")
-    return native.metadata_fns()
 
 
 def _int64(u: int) -> int:
