@@ -107,7 +107,7 @@ def main() -> None:
     "--shapes/--no-shapes",
     default=True,
     show_default=True,
-    help="Make about one program in three a size sequence: re-run at new leaf sizes, grads checked at every "
+    help="Make some programs (about one in nine with default options) a size sequence: re-run at new leaf sizes, grads checked at every "
     "size, cagrad's captures checked against its rule (at most one recapture per new set of dynamic sizes); "
     "the report lists every subject's captures per size variant.",
 )

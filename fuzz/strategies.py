@@ -26,8 +26,8 @@ roots depend on (:func:`_draw_hooks`). Custom ``autograd.Function`` s and
 in-place ops on views are ops of the catalog and drawn like the others (the
 ``rare`` ``mul_inplace`` a quarter as often).
 
-About one program in three then becomes a *size sequence*
-(:func:`_draw_resizes`): resize steps that re-run it at new leaf sizes.
+Some programs then become a *size sequence* (:func:`_draw_resizes`):
+resize steps that re-run it at new leaf sizes.
 
 The result is validated, so it always type-checks, and pruned (ops that no
 root or input needs are dropped) unless ``GenConfig.prune`` is off.
@@ -97,7 +97,7 @@ class GenConfig:
     # as it deletes choices (pruning first would let a simpler choice make
     # more ops live).
     prune: bool = True
-    # Size sequences: about one program in three gets 1..max_resizes resize
+    # Size sequences: some programs get 1..max_resizes resize
     # steps (see _draw_resizes): it runs again at new sizes, and cagrad's
     # captures over the sequence are checked (harness.capture_rule).
     shapes: bool = True
@@ -340,7 +340,10 @@ _NEW_SIZES = tuple(range(2, catalog.MAX_DIM + 4))
 
 
 def _draw_resizes(draw: Any, cfg: GenConfig, program: Program) -> Program:
-    """About one program in three becomes a size sequence: 1..``max_resizes``
+    """A program becomes a size sequence on one draw in three (Hypothesis's
+    draw, whose bias makes it fewer: with the programs that train or have
+    graph-stage features, which never do, 56 of seed 1's first 500 programs
+    were, ``python -m fuzz coverage --seed 1``): 1..``max_resizes``
     steps, each mapping one or two leaf sizes >= 2 to new values (>= 2, and
     now and then 1, which torch and cagrad specialize). A step whose program
     does not validate (an op's attributes carry that size) is left out.
