@@ -113,14 +113,18 @@ def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeo
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True, help="Where report.{json,md} go.")
 @click.option("--equivalents", type=click.Path(dir_okay=False, path_type=Path),
               help="Reviewed equivalents file (default: harness/power/equivalents.toml).")
-def report(folders, out, equivalents):
-    """One report from run folders (the shards of one run)."""
+@click.option("--rerun", "reruns", multiple=True, type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Folder of a 'run --mutant ...' of the sample's survivors after new tests (repeatable; "
+                   "a later one wins): its outcomes replace the sample's.")
+def report(folders, out, equivalents, reruns):
+    """One report from run folders (the shards of one run), with reruns of its survivors."""
     from harness.power import report as report_mod
     from harness.power.equivalents import EquivalentsError
+    from harness.power.session import SessionError
 
     try:
-        rep = report_mod.build(list(folders), equivalents)
-    except (report_mod.ReportError, EquivalentsError) as e:
+        rep = report_mod.build(list(folders), equivalents, reruns)
+    except (report_mod.ReportError, EquivalentsError, SessionError) as e:
         _fail(str(e))
     paths = report_mod.write(rep, out)
     _summary(rep)

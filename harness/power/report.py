@@ -4,6 +4,11 @@ Built from one run folder or the folders of several shards of one run
 (:func:`load_rows`), as ``report.json`` and ``report.md`` (a jinja2
 template, :file:`templates/report.md.j2`).
 
+Survivors run again after new tests (``run --mutant ID ...``, one or more
+folders given as ``reruns``) replace the sample's outcome of those mutants
+(:func:`apply_reruns`): the report then scores the sample as the tests stand
+now, and each such row keeps its first outcome.
+
 Score of a module: ``(killed + timeout) / (killed + timeout + survived)``,
 where ``survived`` excludes the survivors the equivalents file lists
 (``equivalent``); incompetent, no-test and pending mutants are counted but
@@ -74,6 +79,55 @@ def load_rows(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, 
     return [rows[k] for k in sorted(rows, key=MutantId.parse)], info
 
 
+def apply_reruns(rows: list[dict[str, Any]], folders: Sequence[Path], modules: list[str]) -> list[dict[str, Any]]:
+    """Replaces, in place, the outcome of each sampled mutant that a rerun
+    folder (a ``run --mutant ...`` session) has a result for; a later folder
+    wins over an earlier one. Each replaced row gains ``first_outcome`` (the
+    sample's) and ``rerun`` (the folder). Returns one summary per folder:
+    ``{"folder", "mutants", "killers", "killer_argv"}``.
+
+    Raises:
+        ReportError: a folder without a session or not made with ``--mutant``,
+            of other modules than the sample, naming a mutant the sample does
+            not hold, or whose mutant is not the sample's (another diff: the
+            code moved between the runs).
+    """
+    by_id = {row["id"]: row for row in rows}
+    summaries = []
+    for folder in folders:
+        meta = session.load_meta(folder)
+        if meta is None:
+            raise ReportError(f"{folder}: no harness.power session (session.json) there")
+        p = meta.params
+        if not p.only:
+            raise ReportError(f"{folder}: a sampled run, not a rerun of named mutants (--mutant): merge it as a shard")
+        if p.modules != modules:
+            raise ReportError(f"{folder}: mutates {p.modules}, the sample {modules}")
+        db = session.open_db(folder)
+        try:
+            results = dict(db.results)
+        finally:
+            db.close()
+        times = session.load_times(folder)
+        replaced = 0
+        for job_id in meta.ids:
+            row = by_id.get(job_id)
+            if row is None:
+                raise ReportError(f"{folder}: mutant {job_id} is not in the sample")
+            result = results.get(job_id)
+            if result is None:
+                continue  # not run yet: the sample's outcome stands
+            if row["diff"] and _diff(result) != row["diff"]:
+                raise ReportError(f"{folder}: mutant {job_id} is another change than the sample's (the code moved)")
+            outcome, killer = classify(result)
+            row.setdefault("first_outcome", row["outcome"])
+            row.update(outcome=outcome, killer=killer, seconds=times.get(job_id), rerun=str(folder), diff=_diff(result))
+            replaced += 1
+        summaries.append({"folder": str(folder), "mutants": replaced, "killers": p.killers,
+                          "killer_argv": p.killer_argv})  # fmt: skip
+    return summaries
+
+
 def _diff(result) -> str:
     """The unified diff of a mutant, without cosmic-ray's header line."""
     text = (result.diff or "") if result is not None else ""
@@ -125,13 +179,17 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def build(folders: Sequence[Path], equivalents_path: Path | None = None) -> dict[str, Any]:
-    """The report as a JSON-ready dict.
+def build(
+    folders: Sequence[Path], equivalents_path: Path | None = None, reruns: Sequence[Path] = ()
+) -> dict[str, Any]:
+    """The report as a JSON-ready dict: the sample of ``folders`` (its
+    shards), with the outcomes of ``reruns`` (:func:`apply_reruns`).
 
     Raises:
         ReportError, EquivalentsError.
     """
     rows, info = load_rows(folders)
+    rerun_summaries = apply_reruns(rows, reruns, info["run"]["modules"])
     stale = apply_equivalents(rows, load_equivalents(equivalents_path))
     return {
         "tool": "cosmic-ray",
@@ -140,6 +198,7 @@ def build(folders: Sequence[Path], equivalents_path: Path | None = None) -> dict
         "total_mutants": info["total_mutants"],
         "annotation_mutants_left_out": info["annotation_mutants"],
         "starts": info["starts"],
+        "reruns": rerun_summaries,
         **aggregate(rows),
         "stale_equivalents": stale,
         "mutants": rows,

@@ -16,8 +16,8 @@ from cosmic_ray.work_item import MutationSpec, WorkerOutcome, WorkItem, WorkResu
 from cosmic_ray.work_item import TestOutcome as Verdict  # noqa: E402  (not a test class)
 
 
-def _killed(name):
-    return WorkResult(WorkerOutcome.NORMAL, f"...\nharness.power: killed-by {name} (exit 1)\n", Verdict.KILLED, "d")
+def _killed(name, diff="d"):
+    return WorkResult(WorkerOutcome.NORMAL, f"...\nharness.power: killed-by {name} (exit 1)\n", Verdict.KILLED, diff)
 
 
 SURVIVED = WorkResult(WorkerOutcome.NORMAL, "harness.power: survived\n", Verdict.SURVIVED, "--- a\n+++ b\n-x\n+y")
@@ -35,7 +35,7 @@ def test_classify():
     assert classify(WorkResult(WorkerOutcome.NORMAL, "Traceback", Verdict.KILLED)) == ("incompetent", None)
 
 
-def _session(out: Path, results: dict[str, WorkResult | None], shard=(1, 1), seed=0) -> None:
+def _session(out: Path, results: dict[str, WorkResult | None], shard=(1, 1), seed=0, only=None) -> None:
     """A session folder written by hand: one work item per id, the given results."""
     out.mkdir()
     items = {}
@@ -48,7 +48,7 @@ def _session(out: Path, results: dict[str, WorkResult | None], shard=(1, 1), see
         if result is not None:
             db.set_result(job_id, result)
     db.close()
-    params = session.Params(seed, 6, shard, ["a.py", "b.py"], ["tests"], 30, "digest")
+    params = session.Params(seed, 6, shard, ["a.py", "b.py"], ["tests"], 30, "digest", only=only)
     session.save_meta(out, session.Meta(params, 99, {"a.py": 2}, list(results), [{"started": 0.0, "baseline_seconds": 1.0, "timeout_seconds": 5.0}]))
     for n, (job_id, result) in enumerate(results.items()):
         if result is not None:
@@ -98,3 +98,50 @@ def test_report_refuses_mixed_runs(tmp_path):
         report.build([tmp_path / "s1", tmp_path / "s2"])
     with pytest.raises(report.ReportError, match="no harness.power session"):
         report.build([tmp_path])
+
+
+def _rerun(out: Path, results: dict[str, WorkResult | None]) -> None:
+    """A ``run --mutant ...`` folder of the given mutants."""
+    _session(out, results, only=list(results))
+
+
+def test_a_rerun_of_survivors_replaces_their_outcome_and_keeps_the_first(tmp_path):
+    (tmp_path / "none.toml").write_text("")
+    _session(tmp_path / "s", {A[0]: _killed("tests"), A[1]: SURVIVED, A[2]: SURVIVED, B[0]: None})
+    before = report.build([tmp_path / "s"], tmp_path / "none.toml")
+    assert (before["total"]["killed"], before["total"]["survived"], before["total"]["pending"]) == (1, 2, 1)
+    # first rerun: A[1] still survives, A[2] killed by a new test file; B[0] (pending in the sample) killed
+    _rerun(tmp_path / "r1", {A[1]: SURVIVED, A[2]: _killed("pytest:t.py", SURVIVED.diff), B[0]: _killed("tests")})
+    # a later rerun wins: A[1] killed at last
+    _rerun(tmp_path / "r2", {A[1]: _killed("tests", SURVIVED.diff)})
+    rep = report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r1", tmp_path / "r2"])
+    rows = {r["id"]: r for r in rep["mutants"]}
+    assert (rep["total"]["killed"], rep["total"]["survived"], rep["total"]["pending"]) == (4, 0, 0)
+    assert rep["total"]["score"] == 1.0
+    assert (rows[A[2]]["outcome"], rows[A[2]]["killer"], rows[A[2]]["first_outcome"]) == ("killed", "pytest:t.py", "survived")
+    assert (rows[A[1]]["first_outcome"], rows[A[1]]["rerun"]) == ("survived", str(tmp_path / "r2"))
+    assert rows[B[0]]["first_outcome"] == "pending"
+    assert "first_outcome" not in rows[A[0]]
+    assert [r["mutants"] for r in rep["reruns"]] == [3, 1]
+    assert f"* `{A[2]}`: survived in the sample, killed (pytest:t.py) now" in report.render_markdown(rep)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("sampled", "not a rerun"),
+        ("foreign", "not in the sample"),
+        ("moved", "another change"),
+    ],
+)
+def test_a_rerun_that_is_not_of_this_sample_is_refused(tmp_path, case, message):
+    (tmp_path / "none.toml").write_text("")
+    _session(tmp_path / "s", {A[0]: SURVIVED, A[1]: SURVIVED})
+    if case == "sampled":
+        _session(tmp_path / "r", {A[0]: _killed("tests", SURVIVED.diff)})
+    elif case == "foreign":
+        _rerun(tmp_path / "r", {A[2]: _killed("tests", SURVIVED.diff)})
+    else:
+        _rerun(tmp_path / "r", {A[0]: _killed("tests", "--- a\n+++ b\n-x\n+z")})
+    with pytest.raises(report.ReportError, match=message):
+        report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r"])
