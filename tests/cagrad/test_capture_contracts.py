@@ -118,5 +118,5 @@ def test_shells_only_of_plain_tensors_and_parameters():
     assert [type(s) for s in out] == [LiftedShell, LiftedShell]
     assert (out[0].shape, out[0].strides, out[1].requires_grad) == ((3, 2), (1, 3), True)
     sub = torch.zeros(2).as_subclass(_Subclass)
-    assert type(sub) == torch.Tensor and type(sub) is not torch.Tensor  # noqa: E721
+    assert type(sub) == torch.Tensor and type(sub) is not torch.Tensor
     assert shells([plain, sub]) is None
