@@ -289,6 +289,19 @@ def _storage_frames(sizes, called_code=None):
     return SimpleNamespace(f_code=_asks.__code__, f_back=called, f_locals={}), ctor
 
 
+def _zero_symbol(env, hint: int):
+    """A symbol that may be 0 (range [0, inf], no ``positive``), as
+    :func:`shape_env.create_symbol` makes where :func:`shape_env.zero_symbols`
+    holds, on any torch (sympy would decide ``Eq(s, 0)`` for a positive one)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+    from torch.utils._sympy.numbers import int_oo
+
+    src = ConstantSource(f"z_{len(env.var_to_range)}")
+    sym = env.create_symbol(hint, src, dynamic_dim=DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+    env.constrain_symbol_range(sym, 0, int_oo)
+    return sym, env.create_symintnode(sym, hint=hint, source=src)
+
+
 @pytest.fixture
 def storage_site(env, monkeypatch):
     """The storage site's expression and order rules alone: ``_constructor``
@@ -302,7 +315,7 @@ def storage_site(env, monkeypatch):
 
 def test_storage_site_answers_each_sizes_zero_test_once_and_in_order(storage_site):
     env = storage_site
-    (a, s), (b, t), (c, _) = (_symbol(env, 3), _symbol(env, 4), _symbol(env, 5))
+    (a, s), (b, t), (c, _) = (_zero_symbol(env, 3), _zero_symbol(env, 4), _zero_symbol(env, 5))
     asking, _ = _storage_frames([s, 7, t])
     answers = [
         env._without_guard(asking, e)
@@ -316,7 +329,7 @@ def test_storage_site_answers_each_sizes_zero_test_once_and_in_order(storage_sit
 
 def test_storage_site_answers_only_empty_strided_asked_through_opoverload_call(storage_site):
     env = storage_site
-    a, s = _symbol(env, 3)
+    a, s = _zero_symbol(env, 3)
     asking, ctor = _storage_frames([s], called_code=_asks.__code__)
     assert not env._without_guard(asking, sympy.Eq(a, 0))  # not OpOverload.__call__
     assert not env._without_guard(ctor, sympy.Eq(a, 0))  # asked by the site itself: no frame below
