@@ -224,3 +224,127 @@ def test_tensor_metadata_of_a_layout_that_depends_on_the_value_needs_no_guard(en
     with FakeTensorMode(shape_env=env):
         _extract_tensor_metadata(torch.empty_strided((6, s), (1, 6)))
     assert all(_accepts(env, sym, v) for v in (1, 2, 9)), env.guards
+
+
+def test_a_query_answered_without_a_guard_is_counted(env, monkeypatch):
+    """``unguarded`` counts the queries answered by their fallback that the
+    symbol's range did not decide: ``s == 1`` (undecided) once, ``s == -1``
+    (False for every size) not."""
+    sym, _ = _symbol(env, 4)
+
+    def site(expr):
+        return env.evaluate_expr(expr, fallback_value=False)
+
+    monkeypatch.setattr(shape_env, "_SITES", {**shape_env._SITES, site.__code__: (shape_env.METADATA, None)})
+    assert env.unguarded == 0
+    assert site(sympy.Eq(sym, 1)) == sympy.false
+    assert env.unguarded == 1
+    assert site(sympy.Eq(sym, -1)) == sympy.false
+    assert env.unguarded == 1 and env.guards == []
+
+
+def _two_queries():
+    first = 1  # query one
+    second = 2  # query two
+    return first + second
+
+
+def test_a_function_is_an_exact_site_only_where_each_query_is_found_once():
+    """``_add_lines`` makes a site of the lines that hold the queries, and no
+    site where one of them is missing (a changed source guards as before)."""
+    first_line = _two_queries.__code__.co_firstlineno
+    sites: dict = {}
+    shape_env._add_lines(sites, _two_queries, ("# query one", "# query two"))
+    assert sites == {_two_queries.__code__: (shape_env.EXACT, frozenset({first_line + 1, first_line + 2}))}
+    for queries in (("# query one", "# not in the source"), ("# not in the source",)):
+        sites = {}
+        shape_env._add_lines(sites, _two_queries, queries)
+        assert sites == {}, queries
+
+
+def _asks():
+    pass
+
+
+def _constructor():
+    pass
+
+
+def _storage_frames(sizes, called_code=None):
+    """Stand-ins for the frames of a query from the C++ of ``empty_strided``:
+    the asking frame, ``OpOverload.__call__`` of ``aten.empty_strided`` (or
+    a frame of ``called_code``) and ``fake_impls.constructors`` (here
+    ``_constructor``, made the storage site by the caller)."""
+    from types import SimpleNamespace
+
+    from torch._ops import OpOverload
+
+    op = torch.ops.aten.empty_strided.default
+    ctor = SimpleNamespace(
+        f_code=_constructor.__code__, f_back=None, f_locals={"func": op, "new_kwargs": {"size": sizes}}
+    )
+    called = SimpleNamespace(
+        f_code=called_code or OpOverload.__call__.__code__, f_back=ctor, f_locals={"self": op}
+    )
+    return SimpleNamespace(f_code=_asks.__code__, f_back=called, f_locals={}), ctor
+
+
+def _zero_symbol(env, hint: int):
+    """A symbol that may be 0 (range [0, inf], no ``positive``), as
+    :func:`shape_env.create_symbol` makes where :func:`shape_env.zero_symbols`
+    holds, on any torch (sympy would decide ``Eq(s, 0)`` for a positive one)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+    from torch.utils._sympy.numbers import int_oo
+
+    src = ConstantSource(f"z_{len(env.var_to_range)}")
+    sym = env.create_symbol(hint, src, dynamic_dim=DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+    env.constrain_symbol_range(sym, 0, int_oo)
+    return sym, env.create_symintnode(sym, hint=hint, source=src)
+
+
+@pytest.fixture
+def storage_site(env, monkeypatch):
+    """The storage site's expression and order rules alone: ``_constructor``
+    is the site and every query counts as asked from C++ (the stack check,
+    ``_asked_from_cpp``, is what the fake-tensor cases above exercise on the
+    torch versions read)."""
+    monkeypatch.setattr(shape_env, "_SITES", {_constructor.__code__: (shape_env.STORAGE, None)})
+    monkeypatch.setattr(shape_env, "_asked_from_cpp", lambda called: True)
+    return env
+
+
+def test_storage_site_answers_each_sizes_zero_test_once_and_in_order(storage_site):
+    env = storage_site
+    (a, s), (b, t), (c, _) = (_zero_symbol(env, 3), _zero_symbol(env, 4), _zero_symbol(env, 5))
+    asking, _ = _storage_frames([s, 7, t])
+    answers = [
+        env._without_guard(asking, e)
+        for e in (sympy.Eq(c, 0), sympy.Eq(a, 0), sympy.Eq(b, 0), sympy.Eq(b, 0), sympy.Eq(a, 0))
+    ]
+    # not a size of the call; the first size; the second; either again
+    assert answers == [False, True, True, False, False]
+    asking, _ = _storage_frames([s, t])  # another call: counted afresh
+    assert [env._without_guard(asking, sympy.Eq(x, 0)) for x in (a, b, b)] == [True, True, False]
+
+
+def test_storage_site_answers_only_empty_strided_asked_through_opoverload_call(storage_site):
+    env = storage_site
+    a, s = _zero_symbol(env, 3)
+    asking, ctor = _storage_frames([s], called_code=_asks.__code__)
+    assert not env._without_guard(asking, sympy.Eq(a, 0))  # not OpOverload.__call__
+    assert not env._without_guard(ctor, sympy.Eq(a, 0))  # asked by the site itself: no frame below
+    asking, _ = _storage_frames((s,))
+    assert not env._without_guard(asking, sympy.Integer(0) < 1)  # a number
+    assert env._without_guard(asking, sympy.Eq(a, 0))  # sizes as a tuple
+    asking, _ = _storage_frames(None)
+    assert not env._without_guard(asking, sympy.Eq(a, 0))  # no sizes
+
+
+def test_a_query_not_asked_through_guard_or_false_is_not_from_cpp():
+    """``_asked_from_cpp`` walks the stack for ``SymNode.guard_or_false``:
+    from a test function it finds none."""
+
+    def ask():
+        return shape_env._asked_from_cpp(object())
+
+    assert ask() is False
