@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch._dynamo._trace_wrapped_higher_order_op as trace_wrapped_module
-import torch._dynamo.external_utils as external_utils
+from torch._dynamo import external_utils
 from torch.fx.experimental._backward_state import BackwardState
 
 from cagrad.autograd.custom_function import aot_inline_info, backward_state_hooks
