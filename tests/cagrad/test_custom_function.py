@@ -200,6 +200,58 @@ def test_returning_none_then_the_interpreter_sums_two_gradients():
     assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
 
 
+def test_returning_none_then_the_interpreter_runs_an_aot_backward():
+    """After the custom Function's failed check the interpreter finishes the
+    first backward, an AOTAutograd backward node (``aot_function``, no
+    ``BackwardState``: inlined in the graph) included, which it runs as
+    PyNode runs it."""
+    from functorch.compile import aot_function, nop
+
+    region = aot_function(lambda a: a.sin() * 2, fw_compiler=nop, bw_compiler=nop)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        NoGradForW.apply(region(x.exp()), w).sum().backward()
+        return x.grad, w.grad
+
+    expected = [step(s) for s in range(3)]
+    with cagrad.enable("eager"):
+        actual = [step(s) for s in range(3)]
+    for (ex, ew), (ax, aw) in zip(expected, actual):
+        same(ex, ax)
+        assert ew is None and aw is None
+    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert cagrad.counters["nodes_forced_opaque"] == 0, dict(cagrad.counters["opaque_reasons"])
+
+
+def test_returning_none_deep_in_a_long_graph_resumes_at_that_node():
+    """The failed check is at a node past position 256 of the run order
+    (261 nodes run before it): the interpreter resumes at that very node,
+    with what the compiled part computed, and finishes as eager does."""
+
+    def step(seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        y = NoGradForW.apply(x.exp(), w)
+        for i in range(260):
+            y = y * (2.0 if i % 2 else 0.5)
+        y.sum().backward()
+        return x.grad, w.grad
+
+    expected = [step(s) for s in range(2)]
+    with cagrad.enable("eager"):
+        actual = [step(s) for s in range(2)]
+    for (ex, ew), (ax, aw) in zip(expected, actual):
+        same(ex, ax)
+        assert ew is None and aw is None
+    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+
+
 def test_returning_none_with_a_conjugate_saved_tensor_recaptures_instead_of_retracing():
     """``MulBackward0`` saves the conjugate view ``x.conj()`` (conjugate
     bit set). A trace after the run freed it could fake it only from

@@ -51,14 +51,22 @@ def _examples():
         x[:1, :1].squeeze().sum(),
         x[:1].squeeze((0,)).sum(),
         x.diagonal(1).sum(),
+        x.diagonal(-(1 << 63)).sum(),  # empty; the node hands INT64_MIN out as 1 << 63
         x.index_select(1, torch.tensor([0, 3, 3])).sum(),
         torch.cat([x, torch.randn(2, 6), x * 2]).sum(),
         torch.cat([torch.randn(5, 2), x], 1).sum(),
         torch.cat([torch.tensor([]), x.flatten()]).sum(),
+        # an empty input requiring grad: legacy 1-D (0,) (skipped by cat, its
+        # gradient zeros of size 0) and a 2-D (0, 6) (its slice of the gradient)
+        torch.cat([torch.zeros(0, requires_grad=True), x]).sum(),
+        torch.cat([torch.zeros(0, 6, requires_grad=True), x]).sum(),
         F.linear(x, w.t(), b).sum(),
         torch.addmm(b, x, w, beta=0.5, alpha=2.0).sum(),
         (xt @ torch.randn(6, 2)).sum(),
         (torch.randn(7, 5) @ xt).sum(),
+        # mat2 of strides (0, 3): the second stride is the first size, the
+        # first is not 1, so not column-major (the other product's layout)
+        (torch.randn(5, 3) @ torch.randn(12, requires_grad=True).as_strided((3, 4), (0, 3))).sum(),
         F.layer_norm(x, (6,), torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)).sum(),
         F.layer_norm(x, (5, 6)).sum(),
         F.embedding(torch.tensor([[0, 2], [9, 2]]), e).sum(),
@@ -132,6 +140,7 @@ def test_formulas_match_the_cpp_nodes_bit_for_bit():
             assert (e is None) == (a is None), (name, i)
             if e is not None:
                 torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"{name} output {i}: {m}")
+                assert a.stride() == e.stride(), (name, i, a.stride(), e.stride())
     missing = set(formulas.FORMULAS) - seen_types
     # _reshape_alias is only produced by internal decompositions, never by
     # eager reshape on a tensor requiring grad

@@ -229,13 +229,21 @@ def _summed_with_dense(w):
     (SparseFn.apply(w) + (w * 3).sum()).backward()  # InputBuffer: sparse + dense
 
 
+def _sparse_summed_with_dense(w):
+    # SparseFn's node runs first (created last): the InputBuffer holds the
+    # sparse gradient when the dense one arrives (dense + sparse is summed)
+    ((w * 3).sum() + SparseFn.apply(w)).backward()
+
+
 def _tied_embedding(w):
     idx = torch.tensor([1, 2, 1])
     (torch.nn.functional.embedding(idx, w, sparse=True).pow(2).sum() + (w * 2).sum()).backward()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("program", [_into_traced_op, _summed_with_dense, _tied_embedding])
+@pytest.mark.parametrize(
+    "program", [_into_traced_op, _summed_with_dense, _sparse_summed_with_dense, _tied_embedding]
+)
 def test_sparse_gradient_used_by_a_traced_op_is_finished_then_falls_back(program, backend):
     def build():
         w = torch.randn(4, 3, requires_grad=True)
