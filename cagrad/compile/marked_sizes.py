@@ -60,7 +60,7 @@ def with_size_tensors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for read in _size_reads(graph):
         with graph.inserting_after(read):
             size = graph.call_function(torch.ops.aten.sym_size.int, (read, 1))
-        read.replace_all_uses_with(size, delete_user_cb=lambda user: user is not size)
+        read.replace_all_uses_with(size, delete_user_cb=lambda user, size=size: user is not size)
     graph.lint()
     copied = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
     copied.meta.update(gm.meta)
