@@ -29,7 +29,7 @@ from .autograd import _hook_counts, run_context, saved_variables, transforms
 from .autograd.graph_task import GraphTask
 from .capture import segments
 from .capture.compiler import AutogradCompilerInstance, Traced
-from .compile import cuda_graphs, direct_compile, disk_cache, specialize
+from .compile import cuda_graphs, direct_compile, disk_cache, marked_sizes, specialize
 from .compile.backends import check_graph
 from .counters import counters
 from .errors import EagerError, HookTraceFailed, NodeTraceFailed, Unsupported
@@ -708,7 +708,9 @@ def _retrace(
         args.tensors = tensors
 
 
-def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_sizes: bool = False) -> frozenset[int]:
+def _dynamic_slots(
+    node: CacheNode, sizes: Any, dynamic: bool | None, other_sizes: bool = False, marked: Sequence[int] = ()
+) -> frozenset[int]:
     """Which size slots to trace as symbols for a new variant.
 
     ``dynamic=True``: every slot that may be dynamic, from the first
@@ -724,8 +726,20 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_size
     across runs). ``dynamic=False``: the slots whose values differ from the
     first variant's (accumulated), torch's compiled autograd's STATIC ->
     DYNAMIC ``SizeInput``.
+
+    ``marked``: slots of dimensions the user marked with
+    ``torch._dynamo.mark_dynamic`` (:meth:`Collector.marked_dynamic_slots
+    <cagrad.keys.compiled_node_args.Collector.marked_dynamic_slots>`). Where
+    one of them may be dynamic, every slot that may be dynamic is a symbol
+    from this capture on, whatever ``dynamic`` says, as Dynamo traces a
+    marked dimension as a symbol from its first compile: the marked size
+    and the sizes derived from it (a gradient's shape, a view's numel)
+    stay symbolic together, and a backward at another value of it hits.
     """
     ok = sizes.dynamic_ok
+    if any(ok[i] for i in marked):
+        # kept on the node: a retrace after a failed run reads shells, not the marked tensors
+        node.dynamic_slots = node.dynamic_slots | _may_be_dynamic(ok)
     if node.variants:
         # duck sizing merged these with slots of the same value that kept it
         changed = node.variants[0].check.changed(sizes.values)
@@ -734,13 +748,24 @@ def _dynamic_slots(node: CacheNode, sizes: Any, dynamic: bool | None, other_size
         # all of them once a size that may be dynamic has changed (not only
         # the global state, or sizes that stay static), here or in another process
         changed_before = bool(node.distinct_slots) if node.variants else other_sizes
-        return _may_be_dynamic(ok) if changed_before else frozenset()
+        return _may_be_dynamic(ok) if changed_before else node.dynamic_slots
     if dynamic:
         return _may_be_dynamic(ok)
     if not node.variants:
-        return frozenset()
+        return node.dynamic_slots
     node.dynamic_slots = node.dynamic_slots | frozenset(i for i in changed if ok[i])
     return node.dynamic_slots
+
+
+def _tagged_marked(compile_graph: Callable[..., Any]) -> Callable[..., Any]:
+    """``compile_graph`` tagging each graph it compiles as one whose sizes
+    include a dimension marked with ``mark_dynamic`` (:mod:`cagrad.compile.marked_sizes`)."""
+
+    def compile_tagged(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        gm.meta[marked_sizes.MARKED] = True
+        return compile_graph(gm, *args, **kwargs)
+
+    return compile_tagged
 
 
 def _may_be_dynamic(ok: Sequence[bool]) -> frozenset[int]:
@@ -795,7 +820,8 @@ def _capture(
     shape_change = bool(node.variants) and not state_change
     started = time.perf_counter()
     stored, other_sizes = disk.load(collected, compiler_fn, dynamic) if disk is not None else (None, False)
-    dynamic_slots = _dynamic_slots(node, sizes, dynamic, other_sizes)
+    marked = collected.collector.marked_dynamic_slots()
+    dynamic_slots = _dynamic_slots(node, sizes, dynamic, other_sizes, marked)
     try:
         traced = stored if stored is not None else trace_with_retries(collected, node, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)
@@ -807,6 +833,8 @@ def _capture(
     else:
         _count_capture(root, state_change, shape_change)
     symbolic = not traced.check.is_static
+    if symbolic and any(i in dynamic_slots for i in marked):
+        compile_graph = _tagged_marked(compile_graph)
     if dynamic_slots and not dynamic:
         logs.verbose_log.debug(
             "sizes marked dynamic: %s",

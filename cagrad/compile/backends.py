@@ -11,6 +11,7 @@ import torch.fx
 from ..counters import counters
 from ..errors import Unsupported
 from ..preserve import preserved
+from . import marked_sizes
 
 CompilerFn = Union[str, Callable[[torch.fx.GraphModule], Callable[..., Any]]]
 
@@ -174,7 +175,9 @@ def resolve(compiler_fn: CompilerFn) -> Callable[..., Callable[..., Any]]:
     an opaque call's result goes through ``torch.compile(gm, backend=name,
     dynamic=symbolic)`` instead, whose guards cover that result's
     ``requires_grad``. ``symbolic`` is kept for callables that want it. A
-    callable gets the graph module alone.
+    callable gets the graph module alone; a symbolic graph whose sizes
+    include a dimension marked with ``torch._dynamo.mark_dynamic`` reaches
+    it with its sizes read from tensors (:mod:`cagrad.compile.marked_sizes`).
 
     Raises:
         TypeError: if ``compiler_fn`` is neither.
@@ -189,6 +192,10 @@ def resolve(compiler_fn: CompilerFn) -> Callable[..., Callable[..., Any]]:
         user_fn = compiler_fn
 
         def compile_with_user_fn(gm: torch.fx.GraphModule, symbolic: bool, static_first: bool = False) -> Any:
+            if symbolic and marked_sizes.wants_size_tensors(gm):
+                # a mark_dynamic'ed dimension: sizes as tensor dimensions Dynamo keeps symbolic
+                with preserved():
+                    return marked_sizes.calling_with_size_tensors(user_fn(marked_sizes.with_size_tensors(gm)))
             with preserved():  # eager runs no compiler: what it changes must not show
                 return user_fn(gm)
 

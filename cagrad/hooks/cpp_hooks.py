@@ -9,9 +9,17 @@ runs them.
 Known today: DDP's ``torch.distributed.Reducer``. Its constructor adds to the
 ``AccumulateGrad`` of each parameter it reduces a post-hook that calls
 ``Reducer::autograd_hook(index)`` (``index``: the parameter's position in the
-constructor's ``params``), unless the Python reducer is used; the hook marks
-the gradient ready and launches its bucket's allreduce, and the last one
-queues ``finalize_backward`` on the current GraphTask from C++. cagrad puts a
+constructor's ``params``); the hook marks the gradient ready and launches its
+bucket's allreduce, and the last one queues ``finalize_backward`` on the
+current GraphTask from C++. In python-reducer mode
+(``torch._dynamo.config.optimize_ddp = "python_reducer"`` when DDP is
+constructed) DDP reduces in Python post-accumulate-grad hooks and never
+prepares the C++ reducer for a backward, but the constructor adds these hooks
+all the same (torch 2.13.0 and 2.14.1), and eager runs them (they update the
+reducer's bookkeeping and return before marking anything ready). cagrad runs
+them there too, as eager does (torch's compiled autograd leaves them out of
+its graph); a torch that added none there would show fewer C++ hooks than
+recorded, and the backward would fall back (``invisible_hooks``). cagrad puts a
 subclass in ``torch.distributed.Reducer`` (what DDP constructs) that records
 each parameter's ``(reducer, index)``, calls ``reducer._autograd_hook(index)``
 after the parameter's ``AccumulateGrad`` and its post-accumulate-grad hooks,
@@ -28,7 +36,6 @@ falls back to eager (``invisible_hooks``).
 from __future__ import annotations
 
 import gc
-import re
 import threading
 import weakref
 from typing import Any
@@ -99,32 +106,15 @@ def post_hooks_of(variable: torch.Tensor) -> tuple[ReducerHook, ...]:
     return tuple(h for h in entry[1] if h.alive)
 
 
-def _argument_position(init: Any, name: str) -> int | None:
-    """Where argument ``name`` sits in a pybind11 ``__init__`` (read from its
-    signature line, ``__init__(self: ..., params: ..., ...)``); the list
-    grows between torch versions."""
-    doc = (getattr(init, "__doc__", None) or "").split("\n", 1)[0]
-    names = re.findall(r"[(,]\s*(\w+):", doc)
-    if name not in names:
-        return None
-    return names.index(name) - 1  # after self
-
-
 def _reducer_class(base: type) -> type:
-    python_reducer_at = _argument_position(base.__init__, "use_python_reducer")
-
     class Reducer(base):  # type: ignore[misc, valid-type]
         __doc__ = base.__doc__
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             params = kwargs["params"] if "params" in kwargs else args[0]
-            at = python_reducer_at
-            python_reducer = kwargs.get(
-                "use_python_reducer", args[at] if at is not None and len(args) > at else False
-            )
-            if not python_reducer:  # the Python reducer adds no C++ hooks
-                _record(self, list(params))
+            # python-reducer mode included: its C++ hooks are added all the same
+            _record(self, list(params))
 
         def _remove_autograd_hooks(self) -> None:
             super()._remove_autograd_hooks()
@@ -156,7 +146,7 @@ def _scan_live_ddp() -> None:
     for obj in gc.get_objects():
         if issubclass(type(obj), DistributedDataParallel):
             reducer = getattr(obj, "reducer", None)
-            if reducer is None or getattr(obj, "_use_python_reducer", False):
+            if reducer is None:
                 continue
             try:
                 params = obj._build_params_for_reducer()[0]

@@ -161,6 +161,8 @@ class Collector:
         needs_host: some hook was added from C++ and may queue a callback
             from C++, so the graph runs inside a host GraphTask of torch's
             (:mod:`cagrad.run.host`).
+        leaves: ``(variable, first size slot)`` of each accumulated leaf,
+            for :meth:`marked_dynamic_slots`.
     """
 
     def __init__(self, task: GraphTask, census: Census) -> None:
@@ -179,6 +181,23 @@ class Collector:
         self.metadata_slots: dict[tuple[int, int], int] = {}
         self.attr_slots: dict[tuple[int, str], Any] = {}
         self.output_slots: dict[tuple[int, int], int] = {}
+        self.leaves: list[tuple[torch.Tensor, int]] = []
+
+    def marked_dynamic_slots(self) -> list[int]:
+        """The size slots of dimensions marked with
+        ``torch._dynamo.mark_dynamic`` on a lifted tensor or an accumulated
+        leaf (the mark is the tensor's ``_dynamo_dynamic_indices``; weak
+        marks, ``maybe_mark_dynamic``, are not read). Read at capture only.
+        """
+        found = []
+        geometry = self.args.geometry
+        pairs = [*zip(self.args.tensors, geometry), *self.leaves]
+        for t, start in pairs:
+            dims = getattr(t, "_dynamo_dynamic_indices", None)
+            if dims:
+                ndim = t.dim()
+                found.extend(start + d for d in dims if isinstance(d, int) and 0 <= d < ndim)
+        return sorted(set(found))
 
     def obj(self, o: Any) -> int:
         self.objects.append(o)
@@ -224,7 +243,7 @@ class Collector:
         self.plans.append(plan)
         if plan.kind is Kind.ACCUMULATE:
             variable = node.variable
-            write_tensor(w, variable, f"leaf of {name}", self.sizes)
+            self.leaves.append((variable, write_tensor(w, variable, f"leaf of {name}", self.sizes)))
             return CacheKey(name, w.getvalue())
         if not call.needed:
             # captured only: it never runs, only its input slots matter

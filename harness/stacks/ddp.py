@@ -1,11 +1,13 @@
 """DistributedDataParallel stacks on 2 ranks (each rank its own data):
-default, ``static_graph``, ``find_unused_parameters``, ``no_sync()``."""
+default, ``static_graph``, ``find_unused_parameters``, ``no_sync()``,
+python-reducer mode."""
 
 from __future__ import annotations
 
 import contextlib
 
 import torch
+import torch._dynamo
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -78,3 +80,19 @@ def ddp_find_unused(ctx: StackContext) -> None:
 )
 def ddp_no_sync(ctx: StackContext) -> None:
     _train(ctx, _wrap(ctx, mlp(ctx.device)), steps=2, accumulate=3)
+
+
+@register(
+    "ddp_python_reducer",
+    'DDP built with torch._dynamo.config.optimize_ddp = "python_reducer" (reduced in Python '
+    "post-accumulate-grad hooks), 3 SGD steps on 2 ranks",
+    world_size=2,
+)
+def ddp_python_reducer(ctx: StackContext) -> None:
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"  # read by DDP's constructor
+    try:
+        ddp = _wrap(ctx, mlp(ctx.device))
+    finally:
+        torch._dynamo.config.optimize_ddp = before
+    _train(ctx, ddp)

@@ -25,9 +25,10 @@ def _ddp_steps(variant: str, use_cagrad: bool, backend: str, rank: int) -> list:
     m = _mlp()
     if variant == "find_unused":
         m.add_module("unused", torch.nn.Linear(4, 4))  # never called
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        m, static_graph=variant == "static_graph", find_unused_parameters=variant == "find_unused"
-    )
+    with _optimize_ddp("python_reducer" if variant == "python_reducer" else None):
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            m, static_graph=variant == "static_graph", find_unused_parameters=variant == "find_unused"
+        )
     g = torch.Generator().manual_seed(100 + rank)
     out = []
     for step in range(3):
@@ -51,6 +52,25 @@ def _ddp_steps(variant: str, use_cagrad: bool, backend: str, rank: int) -> list:
 # default (one group: the MLP's gradients are 3.5 KiB), two groups
 # (b2, W2, b1 add up to 336 bytes), one segment per accumulation
 _GROUP_BYTES = {"grouped": "300", "per_leaf": "0"}
+
+
+@contextlib.contextmanager
+def _optimize_ddp(mode: str | None):
+    """``torch._dynamo.config.optimize_ddp`` set to ``mode`` while DDP is
+    constructed (it reads the mode there; "python_reducer": the gradients
+    are reduced by post-accumulate-grad hooks in Python, and the C++
+    reducer's hooks, still added, return early)."""
+    if mode is None:
+        yield
+        return
+    import torch._dynamo
+
+    before = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = mode
+    try:
+        yield
+    finally:
+        torch._dynamo.config.optimize_ddp = before
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ Two processes (spawned, gloo on 127.0.0.1, a free port) train the same
 model on different data, in eager and under ``cagrad.enable``, for the DDP
 variants (default, ``static_graph``, ``find_unused_parameters``,
 ``no_sync()`` accumulation, the reducer's hooks in two groups and one by
-one) and FSDP2 (``fully_shard``, with and without
+one, python-reducer mode) and FSDP2 (``fully_shard``, with and without
 ``reshard_after_forward``, and gradient accumulation). DDP's reducer hooks
 are C++ hooks that cagrad runs as opaque calls: skipping them leaves each
 rank with its local gradient, which differs from eager's by far more than
@@ -37,6 +37,7 @@ CASES = [
     ("ddp", "no_sync", "eager"),
     ("ddp", "grouped", "eager"),
     ("ddp", "per_leaf", "eager"),
+    ("ddp", "python_reducer", "eager"),
     ("ddp", "default", "aot_eager"),
     ("fsdp2", "reshard", "eager"),
     ("fsdp2", "no_reshard", "eager"),
@@ -86,18 +87,24 @@ def test_every_rank_matches_eager_and_compiles(reports, case):
         assert counters["fallbacks"] == 0, counters["fallback_reasons"]
         assert counters["backwards"] == 3
         assert counters["captures"] >= 1 and counters["captures"] + counters["cache_hits"] == 3
-        if case.startswith("ddp:") and case != "ddp:find_unused:eager":
+        if case.startswith("ddp:") and case not in ("ddp:find_unused:eager", "ddp:python_reducer:eager"):
             # the reducer's hooks are C++ post hooks on leaves: a guard takes
             # every hit (checked against the full collection: the suite sets
             # CAGRAD_VERIFY_GUARDS, which the ranks inherit); find_unused's
-            # outputs pass through DDP's _DDPSink, a custom Function
+            # outputs pass through DDP's _DDPSink, a custom Function; the
+            # python reducer's hooks are Python post-accumulate-grad hooks
             assert counters["guard_hits"] == counters["cache_hits"], counters
         variant = case.split(":")[1]
-        if case.startswith("ddp:") and variant in ("default", "grouped", "per_leaf"):
+        if case.startswith("ddp:") and variant in ("default", "grouped", "per_leaf", "python_reducer"):
             # segments compiled per capture: the reducer's hooks run in
             # groups of accumulations (cagrad.capture.leaf_hook_groups); the
             # MLP's 4 accumulations make 1 group by default, 2 at 300 bytes,
             # and one segment before each at 0 bytes (static_graph's first
-            # backward passes through _DDPSink, a custom Function: no groups)
+            # backward passes through _DDPSink, a custom Function: no groups);
+            # in python-reducer mode (optimize_ddp="python_reducer") each
+            # accumulation runs DDP's Python post-accumulate-grad hook (user
+            # code: not moved), then the C++ reducer's hook, which DDP still
+            # adds and cagrad runs as eager does: a segment before each
             per_capture = counters["backend_compiles"] / counters["captures"]
-            assert per_capture == {"default": 1, "grouped": 2, "per_leaf": 4}[variant], counters
+            expected = {"default": 1, "grouped": 2, "per_leaf": 4, "python_reducer": 4}[variant]
+            assert per_capture == expected, counters

@@ -600,3 +600,25 @@ def test_torch_internal_disable_bypasses_cagrad():
         g = torch.func.grad(lambda t: t.sin().sum())(x)
     torch.testing.assert_close(g, x.cos())
     assert cagrad.counters["backwards"] == 0
+
+
+def test_mark_dynamic_stays_symbolic_in_the_backward():
+    # torch's test_dynamic_shapes_annotations, with eager's gradients and
+    # cagrad's counters: x (marked) is saved by the compiled forward and
+    # lifted into cagrad's graph; torch.compile as compiler_fn used to raise
+    # ConstraintViolationError on it (the backward fell back to eager)
+    f = torch.compile(lambda x: x.sin().sin(), backend="aot_eager")
+
+    def expected_grad(x):
+        return x.cos() * x.sin().cos()
+
+    cagrad.reset()
+    with tc._enable(functools.partial(torch.compile, backend="aot_eager")):
+        for n in (2, 4, 7):
+            x = torch.randn(n, 3, requires_grad=True)
+            torch._dynamo.mark_dynamic(x, 0)
+            f(x).sum().backward()
+            torch.testing.assert_close(x.grad, expected_grad(x.detach()))
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    assert counters["compiled_autograd"]["captures"] == 1
+    assert cagrad.counters["cache_hits"] == 2

@@ -92,13 +92,20 @@ DISTRIBUTED = [
     "ddp_static_graph",
     "ddp_find_unused",
     "ddp_no_sync",
+    "ddp_python_reducer",
     "fsdp2",
     "fsdp2_no_reshard",
     "fsdp2_grad_accumulation",
 ]
 
 
-@pytest.mark.parametrize("stack", DISTRIBUTED)
+# also in tests/cagrad/test_distributed.py (the default run): here slow only
+SLOW_DISTRIBUTED = {"ddp_python_reducer"}
+
+
+@pytest.mark.parametrize(
+    "stack", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_DISTRIBUTED else s for s in DISTRIBUTED]
+)
 def test_distributed_stack_matches_eager_on_every_rank(stack):
     outcome = only(stack, "cagrad[eager]", timeout=TIMEOUT_S)
     assert_match(outcome)
