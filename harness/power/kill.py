@@ -58,6 +58,10 @@ TEST_FILES = (
     # walk self-tests exercise, guard_program, layout_ok, device_frees_fn
     # (survivors of the seed-0 sample in cagrad/native; about 2 s)
     "tests/cagrad/test_native_self_tests.py",
+    # each self-test case that a survivor changed or dropped, against a reader
+    # wrong on that case alone; guard_program.run against collect on rare
+    # values; the loader thread's re-raise (about 2 s)
+    "tests/cagrad/test_native_self_test_cases.py",
     # added for the capture/run survivors of the seed-0 sample: the
     # interpreter's gradient sums after a failed check, no retrace from
     # shells of a conjugate lifted tensor, custom Functions' saved tensors
