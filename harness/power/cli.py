@@ -1,7 +1,9 @@
 """``python -m harness.power``: mutation testing of cagrad's core with cosmic-ray.
 
 Commands: ``run`` (sample, run or resume, report), ``report`` (one report
-from a run's folders, shards merged). docs/mutation-testing.md is the manual.
+from a run's folders, shards merged, reruns of its survivors applied),
+``relocate`` (a report's mutants found in the current tree).
+docs/mutation-testing.md is the manual.
 """
 
 from __future__ import annotations
@@ -116,16 +118,50 @@ def run(out, sample, all_mutants, seed, shard, targets, killers, programs, timeo
 @click.option("--rerun", "reruns", multiple=True, type=click.Path(file_okay=False, exists=True, path_type=Path),
               help="Folder of a 'run --mutant ...' of the sample's survivors after new tests (repeatable; "
                    "a later one wins): its outcomes replace the sample's.")
-def report(folders, out, equivalents, reruns):
+@click.option("--relocated", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Map written by 'relocate' (sample id -> current id): rerun ids that moved since the sample.")
+def report(folders, out, equivalents, reruns, relocated):
     """One report from run folders (the shards of one run), with reruns of its survivors."""
     from harness.power import report as report_mod
     from harness.power.equivalents import EquivalentsError
     from harness.power.session import SessionError
 
     try:
-        rep = report_mod.build(list(folders), equivalents, reruns)
-    except (report_mod.ReportError, EquivalentsError, SessionError) as e:
+        from harness.power.relocate import load_map
+
+        rep = report_mod.build(list(folders), equivalents, reruns, load_map(relocated) if relocated else None)
+    except (report_mod.ReportError, EquivalentsError, SessionError, ValueError) as e:
         _fail(str(e))
     paths = report_mod.write(rep, out)
     _summary(rep)
     click.echo(f"report: {paths[0]}, {paths[1]}", err=True)
+
+
+@main.command()
+@click.argument("report_json", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--outcome", "outcomes", multiple=True, default=("survived", "pending"), show_default=True,
+              help="Rows of these outcomes (repeatable).")
+@click.option("--sample-tree", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="A checkout of the sample's commit: where a pending row's diff is made (it has none).")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The map (JSON: sample id -> current id or null), for 'report --relocated'.")
+@click.option("--ids", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the current ids, one per line (for 'run --mutant').")
+def relocate(report_json, outcomes, sample_tree, out, ids):
+    """Find a report's mutants in the current tree (lines and occurrences move when code is added above)."""
+    import json
+
+    from harness.power.relocate import relocate as find
+
+    try:
+        rows = [r for r in json.loads(report_json.read_text())["mutants"] if r["outcome"] in outcomes]
+    except (ValueError, KeyError, TypeError) as e:
+        _fail(f"{report_json}: not a harness.power report.json ({e})")
+    found = find(Path.cwd(), rows, sample_tree)
+    out.write_text(json.dumps(found, indent=1))
+    if ids is not None:
+        ids.write_text("".join(f"{v}\n" for v in found.values() if v))
+    for sample_id, current in found.items():
+        if current != sample_id:
+            click.echo(f"{sample_id} -> {current or 'not found (judge it again)'}", err=True)
+    click.echo(f"{sum(v is not None for v in found.values())} of {len(found)} found; map: {out}", err=True)

@@ -27,6 +27,7 @@ from harness.power import session
 from harness.power.equivalents import load as load_equivalents
 from harness.power.mutants import MutantId
 from harness.power.outcomes import OUTCOMES, classify
+from harness.power.relocate import change
 
 
 class ReportError(Exception):
@@ -79,12 +80,19 @@ def load_rows(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, 
     return [rows[k] for k in sorted(rows, key=MutantId.parse)], info
 
 
-def apply_reruns(rows: list[dict[str, Any]], folders: Sequence[Path], modules: list[str]) -> list[dict[str, Any]]:
+def apply_reruns(
+    rows: list[dict[str, Any]], folders: Sequence[Path], modules: list[str], moved: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """Replaces, in place, the outcome of each sampled mutant that a rerun
     folder (a ``run --mutant ...`` session) has a result for; a later folder
     wins over an earlier one. Each replaced row gains ``first_outcome`` (the
     sample's) and ``rerun`` (the folder). Returns one summary per folder:
     ``{"folder", "mutants", "killers", "killer_argv"}``.
+
+    ``moved`` (``{current id: sample id}``, from ``harness.power relocate``)
+    names the sample's mutant a rerun id stands for when the code moved
+    between the runs; the two diffs must then make the same change
+    (:func:`harness.power.relocate.change`), and the row keeps ``rerun_id``.
 
     Raises:
         ReportError: a folder without a session or not made with ``--mutant``,
@@ -111,17 +119,20 @@ def apply_reruns(rows: list[dict[str, Any]], folders: Sequence[Path], modules: l
         times = session.load_times(folder)
         replaced = 0
         for job_id in meta.ids:
-            row = by_id.get(job_id)
+            sample_id = (moved or {}).get(job_id, job_id)
+            row = by_id.get(sample_id)
             if row is None:
-                raise ReportError(f"{folder}: mutant {job_id} is not in the sample")
+                raise ReportError(f"{folder}: mutant {job_id} is not in the sample (relocate it: harness.power relocate)")
             result = results.get(job_id)
             if result is None:
                 continue  # not run yet: the sample's outcome stands
-            if row["diff"] and _diff(result) != row["diff"]:
-                raise ReportError(f"{folder}: mutant {job_id} is another change than the sample's (the code moved)")
+            if row["diff"] and change(_diff(result)) != change(row["diff"]):
+                raise ReportError(f"{folder}: mutant {job_id} is another change than the sample's {sample_id} (the code moved)")
             outcome, killer = classify(result)
             row.setdefault("first_outcome", row["outcome"])
             row.update(outcome=outcome, killer=killer, seconds=times.get(job_id), rerun=str(folder), diff=_diff(result))
+            if job_id != sample_id:
+                row["rerun_id"] = job_id
             replaced += 1
         summaries.append({"folder": str(folder), "mutants": replaced, "killers": p.killers,
                           "killer_argv": p.killer_argv})  # fmt: skip
@@ -180,7 +191,10 @@ def aggregate(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build(
-    folders: Sequence[Path], equivalents_path: Path | None = None, reruns: Sequence[Path] = ()
+    folders: Sequence[Path],
+    equivalents_path: Path | None = None,
+    reruns: Sequence[Path] = (),
+    moved: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The report as a JSON-ready dict: the sample of ``folders`` (its
     shards), with the outcomes of ``reruns`` (:func:`apply_reruns`).
@@ -189,7 +203,7 @@ def build(
         ReportError, EquivalentsError.
     """
     rows, info = load_rows(folders)
-    rerun_summaries = apply_reruns(rows, reruns, info["run"]["modules"])
+    rerun_summaries = apply_reruns(rows, reruns, info["run"]["modules"], moved)
     stale = apply_equivalents(rows, load_equivalents(equivalents_path))
     return {
         "tool": "cosmic-ray",

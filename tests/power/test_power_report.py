@@ -145,3 +145,20 @@ def test_a_rerun_that_is_not_of_this_sample_is_refused(tmp_path, case, message):
         _rerun(tmp_path / "r", {A[0]: _killed("tests", "--- a\n+++ b\n-x\n+z")})
     with pytest.raises(report.ReportError, match=message):
         report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r"])
+
+
+def test_a_rerun_of_a_moved_mutant_counts_for_the_sample_row_it_relocates_to(tmp_path):
+    (tmp_path / "none.toml").write_text("")
+    diff = "--- a/a.py\n+++ b/a.py\n@@ -2,1 +2,1 @@\n-x == y\n+x is y"
+    _session(tmp_path / "s", {A[1]: WorkResult(WorkerOutcome.NORMAL, "harness.power: survived\n", Verdict.SURVIVED, diff)})
+    moved_id = "a.py:9:core/AddNot:5"  # the same change, 7 lines and 4 sites further down now
+    _rerun(tmp_path / "r", {moved_id: _killed("tests", diff.replace("-2,1 +2,1", "-9,1 +9,1"))})
+    with pytest.raises(report.ReportError, match="not in the sample"):
+        report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r"])
+    rep = report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r"], {moved_id: A[1]})
+    (row,) = rep["mutants"]
+    assert (row["outcome"], row["first_outcome"], row["rerun_id"]) == ("killed", "survived", moved_id)
+    # a map that pairs it with a row of another change is refused
+    _rerun(tmp_path / "r2", {moved_id: _killed("tests", diff.replace("+x is y", "+x != y"))})
+    with pytest.raises(report.ReportError, match="another change"):
+        report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r2"], {moved_id: A[1]})
