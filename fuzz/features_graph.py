@@ -226,10 +226,14 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
     if values and rare(draw, 12):
         refs = tuple(draw(st.lists(st.sampled_from([v.ref for v in values]), min_size=1, max_size=2, unique=True)))
         program = _try(program, double_backward=DoubleBackward(refs, draw(st.sampled_from(PENALTIES))))
-    if program.double_backward is None and two_tensor_class()[0] is not None:
+    if program.double_backward is None:
         eligible = [leaf.name for leaf in program.leaves if _subclass_ok(program, leaf.name)]
         if eligible and rare(draw, 20):
-            program = _try(program, subclass_leaves=(draw(st.sampled_from(eligible)),))
+            # drawn on every torch, kept only where torch ships TwoTensor:
+            # the draws after it are the same either way
+            leaf = draw(st.sampled_from(eligible))
+            if two_tensor_class()[0] is not None:
+                program = _try(program, subclass_leaves=(leaf,))
     return program
 
 

@@ -92,6 +92,7 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
         "merged_from": [{"out": str(o), "shard": r.get("shard"), "programs_run": r["programs_run"]} for o, r in reports],
         "sessions": [],
         "torch_version": reports[0][1].get("torch_version") if reports else None,
+        "op_substitutions": reports[0][1].get("op_substitutions", {}) if reports else {},
     }
     chosen: dict[str, tuple[Path, dict[str, Any]]] = {}
     counts: dict[str, int] = {}

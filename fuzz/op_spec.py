@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -202,17 +203,42 @@ class OpSpec:
 
 
 OPS: dict[str, OpSpec] = {}
+#: op name -> the module that registered it (``fuzz.ops_math``, ...), for
+#: :func:`order_catalog`.
+REGISTERED_BY: dict[str, str] = {}
 
 
 def register(spec: OpSpec) -> OpSpec:
-    """Adds ``spec`` to the catalog (a name may be registered once)."""
+    """Adds ``spec`` to the catalog (a name may be registered once),
+    noting the module that called (the catalog's order is by module, see
+    :func:`order_catalog`)."""
     if spec.name in OPS:
         raise ValueError(f"op {spec.name!r} is already registered")
     for attr in spec.attrs.values():
         if attr.kind not in ATTR_KINDS:
             raise ValueError(f"op {spec.name!r}: unknown attribute kind {attr.kind!r}")
     OPS[spec.name] = spec
+    REGISTERED_BY[spec.name] = sys._getframe(1).f_globals.get("__name__", "?")
     return spec
+
+
+def order_catalog(modules: Sequence[str]) -> None:
+    """Puts :data:`OPS` in the order of ``modules`` (the op modules' names),
+    each module's ops in the order it registered them, whatever order the
+    modules were imported in (``import fuzz.ops_graph`` before ``fuzz.ops``
+    registers its ops first). The strategies draw from this order.
+
+    Raises:
+        ValueError: an op was registered by a module not in ``modules``.
+    """
+    rank = {m: i for i, m in enumerate(modules)}
+    stray = sorted(n for n in OPS if REGISTERED_BY[n] not in rank)
+    if stray:
+        raise ValueError(f"ops {stray} registered by modules not in the catalog's order {list(modules)}")
+    position = {n: i for i, n in enumerate(OPS)}
+    ordered = sorted(OPS.items(), key=lambda item: (rank[REGISTERED_BY[item[0]]], position[item[0]]))
+    OPS.clear()
+    OPS.update(ordered)
 
 
 def get(name: str) -> OpSpec:

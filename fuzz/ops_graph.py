@@ -3,6 +3,9 @@
 * Multi-output ops whose outputs all require grad, so that a root can sit
   at output 1 of their backward node: ``var_mean`` (``VarMeanBackward0``;
   ``correction=0``) and ``aminmax`` (``AminmaxBackward0``), over one dim.
+  Where torch has no derivative for ``aminmax`` (2.11) it runs as ``amin``
+  and ``amax`` (:data:`AMINMAX`, :data:`SUBSTITUTIONS`), keeping its place
+  in the catalog.
 * Ops that keep the values of a ``(values, indices)`` pair, so a root's
   node has a non-differentiable output beside it: ``topk`` (``k`` largest
   along ``dim``) and ``max_dim`` (``torch.max(x, dim).values``).
@@ -81,8 +84,7 @@ register(
 def _aminmax_differentiable() -> bool:
     """Whether this torch has a derivative for ``aminmax`` (torch 2.11 has
     none: its backward raises "derivative for aten::aminmax is not
-    implemented"; 2.13 has ``AminmaxBackward0``). Without one the op is not
-    in the catalog: eager itself could not run a program with it."""
+    implemented"; 2.13 has ``AminmaxBackward0``)."""
     x = torch.ones(2, requires_grad=True)
     try:
         torch.aminmax(x, dim=0)[0].backward()
@@ -91,22 +93,50 @@ def _aminmax_differentiable() -> bool:
     return True
 
 
+#: Whether ``torch.aminmax`` has a derivative here. Without one the op
+#: ``aminmax`` stays in the catalog (so the op table, and so the programs a
+#: seed generates, are the same on every torch) but runs, and renders, as
+#: ``(torch.amin(x, dim), torch.amax(x, dim))``: the same values, and the
+#: same gradients (each spreads the gradient evenly over the tied
+#: extremes, as ``AminmaxBackward0`` does), from two nodes instead of one.
 AMINMAX = _aminmax_differentiable()
 
-_AMINMAX = OpSpec(
-    name="aminmax",
-    category="reduction",
-    impl=lambda t, a: tuple(torch.aminmax(t[0], dim=a["dim"])),
-    infer=_pair,
-    code=_fmt("torch.aminmax({0}, dim={dim})"),
-    attrs={"dim": Attr("dim")},
-    accepts=_rank_at_least(1),
-    plan=_one_dim_plan,
-    multi_output=True,
-    doc="(min, max) over dim: one node, two differentiable outputs",
+#: Ops that run as an equivalent substitute on this torch: name -> what runs
+#: instead and why (recorded in a campaign's report.json).
+SUBSTITUTIONS: dict[str, str] = (
+    {}
+    if AMINMAX
+    else {"aminmax": "torch.amin and torch.amax (this torch has no derivative for aminmax)"}
 )
-if AMINMAX:
-    register(_AMINMAX)
+
+
+def _aminmax_impl(t: Sequence[torch.Tensor], a: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    if AMINMAX:
+        return tuple(torch.aminmax(t[0], dim=a["dim"]))
+    return torch.amin(t[0], dim=a["dim"]), torch.amax(t[0], dim=a["dim"])
+
+
+def _aminmax_code(args: Sequence[str], attrs: Mapping[str, Any]) -> str:
+    if AMINMAX:
+        return f"torch.aminmax({args[0]}, dim={attrs['dim']!r})"
+    return f"(torch.amin({args[0]}, dim={attrs['dim']!r}), torch.amax({args[0]}, dim={attrs['dim']!r}))"
+
+
+register(
+    OpSpec(
+        name="aminmax",
+        category="reduction",
+        impl=_aminmax_impl,
+        infer=_pair,
+        code=_aminmax_code,
+        attrs={"dim": Attr("dim")},
+        accepts=_rank_at_least(1),
+        plan=_one_dim_plan,
+        multi_output=True,
+        doc="(min, max) over dim: one node, two differentiable outputs "
+        "(where torch has no derivative for aminmax: amin and amax, two nodes)",
+    )
+)
 register(
     OpSpec(
         name="topk",

@@ -57,8 +57,12 @@ def draw_features(draw: Any, program: Any, train: bool = True, checkpoint: bool 
             length = draw(st.integers(1, min(3, n - start)))
             reentrant = draw(st.booleans())
             policy = None
-            if not reentrant and has_selective() and rare(draw, 3):
+            if not reentrant and rare(draw, 3):
+                # drawn on every torch, kept only where torch has selective
+                # checkpointing: the draws after it are the same either way
                 policy = draw(st.sampled_from(POLICIES))
+                if not has_selective():
+                    policy = None
             names = tuple(op.name for op in program.ops[start : start + length])
             candidate = dataclasses.replace(program, checkpoint=Checkpoint(names, reentrant, policy))
             if _valid(candidate):

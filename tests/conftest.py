@@ -9,6 +9,10 @@
   database (``.hypothesis/``) and replayed first next time;
 * ``nightly``: random, :data:`NIGHTLY_FACTOR` times the examples.
 
+Hypothesis's pool of local constants (literals of the imported modules) is
+emptied (:func:`_without_local_constants`), so that what a test draws does
+not depend on what the process imported before it.
+
 Tests that set ``max_examples`` themselves wrap the number in
 :func:`examples` so that it scales with the profile.
 
@@ -76,6 +80,33 @@ def examples(n: int) -> int:
 
 
 settings.load_profile(profile_name())
+
+
+def _without_local_constants() -> bool:
+    """Empties Hypothesis's pool of *local* constants for this process.
+
+    Hypothesis draws about one choice in twenty from constants, among them
+    every literal in the source of the local modules the process has
+    imported by the time it first draws (``hypothesis.internal.conjecture.
+    providers._get_local_constants``): what a derandomized ``@given`` test
+    drew depended on which test files and modules ran before it (``pytest
+    tests/cagrad/test_x.py`` alone or the whole suite). Global constants
+    (0, -1, nan, boundary values, ...) stay. The campaign's rounds draw no
+    constants at all (``fuzz.campaign.steer._without_constants``). This
+    reaches into Hypothesis's internals; where they differ (another
+    version), nothing changes and it returns False."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # pragma: no cover
+        return False
+    if not callable(getattr(providers, "_get_local_constants", None)):  # pragma: no cover
+        return False
+    providers._get_local_constants = Constants  # an empty pool, whatever was imported
+    return True
+
+
+LOCAL_CONSTANTS_OFF = _without_local_constants()
 
 
 #: Wall-clock seconds after which a test stops waiting for a child process

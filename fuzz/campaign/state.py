@@ -16,6 +16,7 @@ import torch
 from fuzz import coverage
 from fuzz.campaign.config import CampaignConfig, CampaignError, atomic_write, slug
 from fuzz.ir import Program
+from fuzz.ops_graph import SUBSTITUTIONS
 from fuzz.reproducer import write_reproducer
 
 REPORT_SCHEMA = 2
@@ -304,7 +305,9 @@ class CampaignState:
         ``rounds`` (rounds done), ``shard`` (``"K/N"`` or null),
         ``throughput`` (``programs_per_s``, ``workers``: this run's),
         ``timeline`` (``[elapsed_s, programs_run, failures]`` about every
-        5 s), ``exit_status``, ``sessions``, ``torch_version``.
+        5 s), ``exit_status``, ``sessions``, ``torch_version``,
+        ``op_substitutions`` (catalog ops this torch runs as an equivalent
+        substitute, name -> what runs: :data:`fuzz.ops_graph.SUBSTITUTIONS`).
         """
         s = self.s
         failures = [
@@ -354,4 +357,5 @@ class CampaignState:
             "exit_status": exit_status,
             "sessions": s["sessions"],
             "torch_version": torch.__version__,
+            "op_substitutions": dict(SUBSTITUTIONS),
         }

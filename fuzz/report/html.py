@@ -44,6 +44,13 @@ def _fmt_seconds(value: Any) -> str:
     return f"{value:,.1f} s" if isinstance(value, (int, float)) else "not recorded"
 
 
+def _substitutions(value: Any) -> str:
+    """report.json's ``op_substitutions``: ops this torch ran as an equivalent substitute."""
+    if value is None:
+        return "not recorded"
+    return "; ".join(f"{op}: {what}" for op, what in sorted(value.items())) or "none"
+
+
 def _summary(rep: CampaignReport) -> list[tuple[str, str]]:
     d = rep.data
     pps = rep.programs_per_s()
@@ -57,6 +64,7 @@ def _summary(rep: CampaignReport) -> list[tuple[str, str]]:
     return [
         ("seed", str(d["seed"])),
         ("torch version", d.get("torch_version", "not recorded")),
+        ("op substitutions", _substitutions(d.get("op_substitutions"))),
         ("budget", _fmt_seconds(d.get("budget_s"))),
         ("elapsed", _fmt_seconds(d.get("elapsed_s"))),
         ("programs run", f"{d['programs_run']:,}"),

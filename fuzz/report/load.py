@@ -90,6 +90,7 @@ REPORT_SCHEMA: dict[str, Any] = {
         "sequence_captures": {"type": "object", "additionalProperties": _COUNTS},
         "engine_counts": {"type": "object", "additionalProperties": _COUNTS},
         "torch_version": {"type": "string"},
+        "op_substitutions": {"type": "object", "additionalProperties": {"type": "string"}},
         "rounds": {"type": "integer", "minimum": 0},
         "sessions": {"type": "array", "items": {"type": "object"}},
         "known": {

@@ -33,6 +33,7 @@ REPORT_FIELDS = {
     "subjects",
     "failures",
     "torch_version",
+    "op_substitutions",
 }
 FAILURE_FIELDS = {"signature", "count", "reproducer", "program_json", "first_outcome"}
 
@@ -64,6 +65,9 @@ def test_short_clean_campaign_writes_report_and_resumes(tmp_path: Path) -> None:
     assert report["subjects"] == ["eager"]
     assert report["failures"] == []
     assert report["torch_version"]
+    from fuzz.ops_graph import AMINMAX  # where torch has no aminmax derivative the report says what ran instead
+
+    assert ("aminmax" in report["op_substitutions"]) == (not AMINMAX)
     assert sum(report["op_counts"].values()) > 0
     assert report["outcome_counts"]["eager@cpu"]["equal"] == report["programs_run"]
     assert "report.json" in "".join(proc.stderr.split())  # rich may wrap the path

@@ -106,6 +106,7 @@ def _schema2() -> dict[str, Any]:
         "rounds": 3,
         "sessions": [{"budget_s": 60.0, "programs_run": 500, "elapsed_s": 40.0}],
         "torch_version": "2.13.0+cpu",
+        "op_substitutions": {"aminmax": "torch.amin and torch.amax (this torch has no derivative for aminmax)"},
         "shard": "1/2",
         "throughput": {"programs_per_s": 12.5, "workers": 2},
         "timeline": [[0.0, 0, 0], [5.0, 60, 1], [10.0, 130, 2], [40.0, 500, 4]],
@@ -175,6 +176,7 @@ def test_html_summary_and_tables_hold_the_report_numbers(page2):
     assert '<a href="https://github.com/pytorch/pytorch/issues/1">' in page
     assert "runs &lt;pre&gt; hooks late" in page
     assert "build_errors/B001.json" in page and "unsupported hook" in page
+    assert "op substitutions aminmax: torch.amin and torch.amax (this torch has no derivative for aminmax)" in text
 
 
 def test_html_coverage_section_shows_op_shares_and_what_was_never_seen(page2):

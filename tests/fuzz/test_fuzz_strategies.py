@@ -324,3 +324,18 @@ def test_the_profile_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv(conftest.PROFILE_ENV, "weekly")
     with pytest.raises(ValueError, match=r"CAGRAD_HYPOTHESIS_PROFILE='weekly' .* \['ci', 'dev', 'nightly'\]"):
         conftest.examples(7)
+
+
+def test_given_tests_draw_no_constants_from_the_modules_imported() -> None:
+    """Hypothesis's local-constant pool (the literals of every local module
+    imported) is empty in the suite (tests/conftest.py), although fuzz's op
+    modules, full of integer literals, are imported: what a derandomized
+    test draws does not depend on which tests ran before it."""
+    from hypothesis.internal.conjecture import providers
+
+    import fuzz.ops_shape  # noqa: F401 - local, with literals such as MAX_DIM's 5
+    from tests import conftest
+
+    assert conftest.LOCAL_CONSTANTS_OFF
+    pool = providers._get_local_constants()
+    assert not (pool.integers or pool.floats or pool.strings or pool.bytes)
