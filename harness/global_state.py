@@ -95,6 +95,10 @@ def _text(value: Any) -> str:
     return repr(value)
 
 
+#: types whose text is their repr (what :func:`_text` gives them, faster)
+_PLAIN = (str, int, float, bool, type(None))
+
+
 def _config(module_name: str) -> Callable[[], Any]:
     def read() -> Any:
         mod = sys.modules.get(module_name)
@@ -103,7 +107,7 @@ def _config(module_name: str) -> Callable[[], Any]:
         cfg = mod.get_config_copy()
         # values are compared by their text: some are callables or objects
         # without a useful __eq__; sorted so the text is stable
-        return tuple(sorted((k, _text(v)) for k, v in cfg.items()))
+        return tuple(sorted((k, repr(v) if type(v) in _PLAIN else _text(v)) for k, v in cfg.items()))
 
     return read
 
