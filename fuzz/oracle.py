@@ -20,7 +20,10 @@ Cache soundness (``Oracle(neighbours=N)``): after a program agrees with
 eager under a cagrad subject, up to ``N`` neighbours
 (:func:`fuzz.neighbours.derive`: one change each, derived from the program
 alone) run under that subject in the same cagrad state, no reset in
-between, each checked against eager. One that differs is run again in a
+between, each checked against eager. They run right after the subject's
+own run of the program (``harness.run_differential``'s ``after_subject``),
+before the next subject resets, so the program never runs a second time to
+rebuild that state. One that differs is run again in a
 fresh state: if that run agrees with eager, the first was a wrong cache hit,
 reported as a ``mismatch`` of kind ``cache`` (its first mismatch is at
 ``"cache"`` and names the neighbour's change); if it differs too, it is an
