@@ -20,7 +20,10 @@ Cache soundness (``Oracle(neighbours=N)``): after a program agrees with
 eager under a cagrad subject, up to ``N`` neighbours
 (:func:`fuzz.neighbours.derive`: one change each, derived from the program
 alone) run under that subject in the same cagrad state, no reset in
-between, each checked against eager. One that differs is run again in a
+between, each checked against eager. They run right after the subject's
+own run of the program (``harness.run_differential``'s ``after_subject``),
+before the next subject resets, so the program never runs a second time to
+rebuild that state. One that differs is run again in a
 fresh state: if that run agrees with eager, the first was a wrong cache hit,
 reported as a ``mismatch`` of kind ``cache`` (its first mismatch is at
 ``"cache"`` and names the neighbour's change); if it differs too, it is an
@@ -47,7 +50,7 @@ import harness
 from fuzz.interpret import IRProgram
 from fuzz.ir import Program
 from fuzz.neighbours import Neighbour, derive
-from harness.runner import size_variants
+from harness.compile_overheads import skip_guard_latency_profile
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -252,6 +255,9 @@ class Oracle:
             raise ValueError(f"subject(s) selected twice: {dupes}")
         self.subjects = resolved
         self.devices = [str(d) for d in harness.resolve_devices(list(devices) if devices else None)]
+        # Dynamo's compiles time their guards for a metric only: skipped
+        # here, where torch's compiled autograd compiles every new graph
+        skip_guard_latency_profile()
 
     @property
     def names(self) -> list[str]:
@@ -272,52 +278,17 @@ class Oracle:
             devices = [only.device]
             named = [s for s in self.subjects if s.name == only.subject]
             subjects = named or self.subjects
+        neighbours = _Neighbours(self, program, subjects) if self.neighbours else None
         try:
-            report = harness.run_differential(IRProgram(program), subjects, devices)
+            report = harness.run_differential(
+                IRProgram(program), subjects, devices, after_subject=neighbours.after if neighbours else None
+            )
         except harness.ProgramBuildError as e:
             return Verdict(None, [], build_error=str(e))
-        checks: list[NeighbourCheck] = []
-        if self.neighbours:
-            checks = self._run_neighbours(program, report, subjects, devices)
+        checks = neighbours.apply(report) if neighbours is not None else []
         return Verdict(report, [failure_key(o) for o in report.failures()], neighbours=checks)
 
     # ------------------------------------------------------------ neighbours
-    def _run_neighbours(
-        self,
-        program: Program,
-        report: harness.DifferentialReport,
-        subjects: Sequence[harness.Subject],
-        devices: Sequence[str],
-    ) -> list[NeighbourCheck]:
-        """Runs the neighbour sequences (module doc); replaces the outcome of
-        a (subject, device) whose sequence failed and adds a note per pair."""
-        compiled = [s for s in subjects if isinstance(s, harness.CagradSubject)]
-        nbs = derive(program, self.neighbours) if compiled else []
-        if not nbs:
-            return []
-        checks: list[NeighbourCheck] = []
-        for device_name in devices:
-            device = torch.device(device_name)
-            references: dict[int, harness.Execution] = {}
-            for subject in compiled:
-                index = _outcome_index(report, subject.name, str(device))
-                if index is None or not report.outcomes[index].ok:
-                    continue
-                # run_differential ran every subject after a reset: only the
-                # last (subject, device) it ran left its state behind
-                if not (subject is subjects[-1] and device_name == devices[-1]):
-                    _replay_program(subject, program, device)
-                pair = self._sequence(subject, device, nbs, references)
-                checks += [c for c, _ in pair]
-                if pair:
-                    report.notes.append(
-                        f"{subject.name}@{device}: " + "; ".join(c.text() for c, _ in pair)
-                    )
-                    failed = pair[-1][1]
-                    if failed is not None:
-                        report.outcomes[index] = failed
-        return checks
-
     def _sequence(
         self,
         subject: harness.Subject,
@@ -359,20 +330,44 @@ class Oracle:
         return out
 
 
-def _outcome_index(report: harness.DifferentialReport, subject: str, device: str) -> int | None:
-    for i, o in enumerate(report.outcomes):
-        if o.subject == subject and o.device == device:
-            return i
-    return None
+class _Neighbours:
+    """The neighbour sequences of one :meth:`Oracle.run` (module doc).
 
+    :meth:`after` is ``run_differential``'s ``after_subject``: right after a
+    cagrad subject agreed with eager on the program, its neighbours run in
+    the state that run left (no replay of the program is needed).
+    :meth:`apply` then puts each failed sequence's outcome in place of the
+    program's and adds one note per (subject, device), in run order.
+    """
 
-def _replay_program(subject: harness.Subject, program: Program, device: torch.device) -> None:
-    """Runs ``program`` (every size variant of a sequence) under ``subject``
-    from a reset, as run_differential did, to rebuild its cache state."""
-    variants = size_variants(IRProgram(program)) or [None]
-    for k, variant in enumerate(variants):
-        run = IRProgram(program) if variant is None else variant.program
-        harness.execute(subject, run, device, reset=k == 0)
+    def __init__(self, oracle: Oracle, program: Program, subjects: Sequence[harness.Subject]):
+        self.oracle = oracle
+        compiled = any(isinstance(s, harness.CagradSubject) for s in subjects)
+        self.nbs = derive(program, oracle.neighbours) if compiled else []
+        #: device -> neighbour index -> eager's run of that neighbour, shared
+        #: by the subjects of a device
+        self.references: dict[str, dict[int, harness.Execution]] = {}
+        self.done: list[tuple[harness.Outcome, list[tuple[NeighbourCheck, harness.Outcome | None]]]] = []
+
+    def after(self, subject: harness.Subject, device: torch.device, outcome: harness.Outcome) -> None:
+        if not self.nbs or not isinstance(subject, harness.CagradSubject) or not outcome.ok:
+            return
+        references = self.references.setdefault(str(device), {})
+        pair = self.oracle._sequence(subject, device, self.nbs, references)
+        self.done.append((outcome, pair))
+
+    def apply(self, report: harness.DifferentialReport) -> list[NeighbourCheck]:
+        checks: list[NeighbourCheck] = []
+        for outcome, pair in self.done:
+            checks += [c for c, _ in pair]
+            if not pair:
+                continue
+            report.notes.append(f"{outcome.subject}@{outcome.device}: " + "; ".join(c.text() for c, _ in pair))
+            failed = pair[-1][1]
+            if failed is not None:
+                index = next(i for i, o in enumerate(report.outcomes) if o is outcome)
+                report.outcomes[index] = failed
+        return checks
 
 
 def _relabel(outcome: harness.Outcome, where: str) -> harness.Outcome:

@@ -95,15 +95,38 @@ def _text(value: Any) -> str:
     return repr(value)
 
 
+#: types whose text is their repr (what :func:`_text` gives them, faster)
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _config_values(mod: Any) -> dict[str, Any]:
+    """Every key of a torch config module with its current value, read
+    without deep copies where torch allows it.
+
+    ``get_config_copy()`` deep-copies every mutable value (sets, lists,
+    dicts: milliseconds a read). Where the module has torch's cached export
+    (``_get_dict(readonly_values=True)``, torch >= 2.13: refreshed key by key
+    on ``setattr`` and ``patch``), its immutable values are taken from it,
+    and every other value is read live (``getattr``: the object itself,
+    so a set changed in place shows; the cache holds a copy made when it
+    was filled). Elsewhere ``get_config_copy()``.
+    """
+    try:
+        cached = mod._get_dict(readonly_values=True)
+    except (AttributeError, TypeError):
+        return mod.get_config_copy()
+    return {k: v if type(v) in _PLAIN else getattr(mod, k) for k, v in cached.items()}
+
+
 def _config(module_name: str) -> Callable[[], Any]:
     def read() -> Any:
         mod = sys.modules.get(module_name)
         if mod is None:
             return None  # not imported: not read (see the module docstring)
-        cfg = mod.get_config_copy()
+        cfg = _config_values(mod)
         # values are compared by their text: some are callables or objects
         # without a useful __eq__; sorted so the text is stable
-        return tuple(sorted((k, _text(v)) for k, v in cfg.items()))
+        return tuple(sorted((k, repr(v) if type(v) in _PLAIN else _text(v)) for k, v in cfg.items()))
 
     return read
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -148,6 +148,7 @@ def run_differential(
     *,
     policy: TolerancePolicy = tolerance_for,
     seed: int = 0,
+    after_subject: Callable[[Subject, torch.device, Outcome], None] | None = None,
 ) -> DifferentialReport:
     """Runs ``program`` under eager autograd and each subject, on each device.
 
@@ -167,6 +168,13 @@ def run_differential(
             devices.
         policy: ``(dtype, backend, device_type) -> Tolerance``.
         seed: the seed set before each build.
+        after_subject: called with ``(subject, device, outcome)`` right
+            after each subject's outcome on a device is judged, before the
+            next subject is reset: the subject's engine still holds the
+            state that run (a size sequence: its last variant) left, so
+            the caller may run more programs in it (the fuzzer's
+            neighbours, :class:`fuzz.oracle.Oracle`). What it raises
+            propagates.
 
     A *size sequence* (a program whose ``size_variants()`` returns a list
     of :class:`~harness.capture_rule.SizeVariant`) runs every variant in
@@ -191,7 +199,7 @@ def run_differential(
     if variants is not None:
         report.variants = [v.label for v in variants]
         for device in device_list:
-            _run_sequence(report, variants, subject_list, device, policy, seed)
+            _run_sequence(report, variants, subject_list, device, policy, seed, after_subject)
         report.notes = _capture_notes(report.outcomes) + _sequence_notes(report.outcomes)
         return report
     for device in device_list:
@@ -207,6 +215,8 @@ def run_differential(
         for subject in subject_list:
             got = execute(subject, program, device, seed)
             report.outcomes.append(judge(subject, device, reference, got, policy))
+            if after_subject is not None:
+                after_subject(subject, device, report.outcomes[-1])
     report.notes = _capture_notes(report.outcomes)
     return report
 
@@ -228,6 +238,7 @@ def _run_sequence(
     device: torch.device,
     policy: TolerancePolicy,
     seed: int,
+    after_subject: Callable[[Subject, torch.device, Outcome], None] | None = None,
 ) -> None:
     references = []
     for k, variant in enumerate(variants):
@@ -249,6 +260,8 @@ def _run_sequence(
             static.update(got.static_sizes)
             graphs.append((got.node_types, size_classes(got.size_values)))
         report.outcomes.append(merge_variants(subject, variants, judged, sorted(static), graphs))
+        if after_subject is not None:
+            after_subject(subject, device, report.outcomes[-1])
 
 
 _WORST = (Status.ERROR, Status.MISMATCH, Status.FALLBACK, Status.EQUAL)
