@@ -395,6 +395,7 @@ def _trace_shape_env_class() -> Any:
             _perm_probing = False
             # the outermost permutation frame probed and its verdict
             _perm_probed: tuple[Any, bool] | None = None
+            _perm_root: Any = None
             # the outermost probed frame and whether its probe returned
             # True (the frame is kept, so that its id is not reused)
             _probed: tuple[Any, bool] | None = None
@@ -492,11 +493,15 @@ def _trace_shape_env_class() -> Any:
                 def probe(fn: Callable[[], Any]) -> Any:
                     try:
                         self._perm_probing = True
+                        # the frames above this one (the real call's
+                        # contiguity query among them) are not the probe's
+                        self._perm_root = sys._getframe()
                         return fn()
                     except _ProbeRefused:
                         return None
                     finally:
                         self._perm_probing = False
+                        self._perm_root = None
 
                 proven = backend_queries.run_perm_probe(frame, probe)
                 self._perm_probed = (frame, proven)
@@ -509,7 +514,7 @@ def _trace_shape_env_class() -> Any:
                 if fallback_value is not None and _PROBED is not None:
                     target = _PROBED.__code__
                     for _ in range(_MAX_DEPTH):
-                        if frame is None:
+                        if frame is None or frame is self._perm_root:
                             break
                         if frame.f_code is target:
                             return self._fallback(expr, fallback_value)
