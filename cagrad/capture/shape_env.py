@@ -87,8 +87,11 @@ the source of it and of the functions it calls); with any other source it
 guards as before, so a torch that changed one of them costs captures, not
 correctness (a torch whose storage-size site is not recognized keeps 0
 specialized: with symbols that may be 0, every fake would guard
-``Ne(s, 0)``). Every other query (fake kernels' output strides, C++
-autograd formulas, cagrad's own code) guards as before. torch's
+``Ne(s, 0)``). A backend compiling the graph (AOTAutograd, inductor) asks
+in the same ShapeEnv; the queries of its own answered without a guard, and
+why, are in :mod:`cagrad.capture.backend_queries`. Every other query (fake
+kernels' output strides, C++ autograd formulas, cagrad's own code) guards
+as before. torch's
 ``backed_size_oblivious`` is not used: it answers every such query by its
 fallback, which takes the general branch where eager would branch on a
 size of 1 (``squeeze``, broadcasting, layouts), a silent difference.
@@ -106,6 +109,7 @@ from typing import Any
 import sympy
 
 from .. import internals
+from . import backend_queries
 
 log = logging.getLogger("cagrad")
 
@@ -224,6 +228,9 @@ def _sites() -> tuple[dict[Any, tuple[str, frozenset[int] | None]], Callable[...
             sites[probe.__code__] = (PROBE, None)
     except Exception:  # any failure leaves the sites found so far
         log.info("cagrad: reading torch's broadcasting and contiguity functions failed", exc_info=True)
+    global _PERM_CODE
+    storage_ok = any(kind == STORAGE for kind, _ in sites.values())
+    _PERM_CODE = backend_queries.add_sites(sites, storage_ok) if probe is not None else None
     return sites, probe
 
 
@@ -239,6 +246,9 @@ def _storage_site_audited() -> bool:
 
 _SITES: dict[Any, tuple[str, frozenset[int] | None]] | None = None
 _PROBED: Callable[..., Any] | None = None
+# compute_elementwise_output_logical_to_physical_perm's code object where its
+# permutation probe may run (cagrad.capture.backend_queries)
+_PERM_CODE: Any = None
 
 # frames searched above ShapeEnv.evaluate_expr for one of the sites (the
 # deepest chain, _extract_tensor_metadata -> ... -> evaluate_expr, is 8)
@@ -381,6 +391,11 @@ def _trace_shape_env_class() -> Any:
             # set by the compiler: off, it is torch's ShapeEnv
             answer_queries = False
             _probing = False
+            # in a permutation probe (cagrad.capture.backend_queries)
+            _perm_probing = False
+            # the outermost permutation frame probed and its verdict
+            _perm_probed: tuple[Any, bool] | None = None
+            _perm_root: Any = None
             # the outermost probed frame and whether its probe returned
             # True (the frame is kept, so that its id is not reused)
             _probed: tuple[Any, bool] | None = None
@@ -403,6 +418,8 @@ def _trace_shape_env_class() -> Any:
                     if fallback_value is None:
                         raise _ProbeRefused(str(orig_expr))
                     return self._fallback(orig_expr, fallback_value)
+                if self._perm_probing:
+                    return self._perm_probe_answer(sys._getframe(1), orig_expr, fallback_value)
                 if (
                     fallback_value is not None
                     and self.answer_queries
@@ -449,9 +466,63 @@ def _trace_shape_env_class() -> Any:
                         return False
                     self._storage_call = (called, i + 1)  # the frame is kept: its id is not reused
                     return True
+                if kind == backend_queries.WRAPPER_STORAGE:
+                    if at.f_lineno not in lines or not _asked_from_cpp(at):
+                        return False
+                    start = self._storage_call[1] if self._storage_call and self._storage_call[0] is at else 0
+                    i = backend_queries.zero_test_position(backend_queries.wrapper_storage_sizes(at), expr, start)
+                    if i is None:
+                        return False
+                    self._storage_call = (at, i + 1)
+                    return True
                 if kind == EXACT:
                     return lines is None or at.f_lineno in lines
-                return self._probe(probed_frame)
+                if kind == backend_queries.EXPAND_STRIDE:
+                    return at.f_lineno in lines and backend_queries.expand_keeps_size(at, self.replace)
+                if self._probe(probed_frame):
+                    return True
+                caller = probed_frame.f_back
+                return _PERM_CODE is not None and caller is not None and caller.f_code is _PERM_CODE and (
+                    self._perm_probe(caller)
+                )
+
+            def _perm_probe(self, frame: Any) -> bool:
+                if self._perm_probed is not None and self._perm_probed[0] is frame:
+                    return self._perm_probed[1]
+
+                def probe(fn: Callable[[], Any]) -> Any:
+                    try:
+                        self._perm_probing = True
+                        # the frames above this one (the real call's
+                        # contiguity query among them) are not the probe's
+                        self._perm_root = sys._getframe()
+                        return fn()
+                    except _ProbeRefused:
+                        return None
+                    finally:
+                        self._perm_probing = False
+                        self._perm_root = None
+
+                proven = backend_queries.run_perm_probe(frame, probe)
+                self._perm_probed = (frame, proven)
+                return proven
+
+            def _perm_probe_answer(self, frame: Any, expr: Any, fallback_value: bool | None) -> Any:
+                """In a permutation probe: the contiguity queries get their
+                fallbacks; any other question the ranges and guards so far
+                do not decide is refused."""
+                if fallback_value is not None and _PROBED is not None:
+                    target = _PROBED.__code__
+                    for _ in range(_MAX_DEPTH):
+                        if frame is None or frame is self._perm_root:
+                            break
+                        if frame.f_code is target:
+                            return self._fallback(expr, fallback_value)
+                        frame = frame.f_back
+                known = self._maybe_evaluate_static(expr)
+                if known is None:
+                    raise _ProbeRefused(str(expr))
+                return known
 
             def _probe(self, frame: Any) -> bool:
                 if self._probed is not None and self._probed[0] is frame:
@@ -470,6 +541,7 @@ def _trace_shape_env_class() -> Any:
             def forget_probe(self) -> None:
                 """Drops the kept frames (at the end of a trace)."""
                 self._probed = None
+                self._perm_probed = None
                 self._storage_call = None
 
         _cls = TraceShapeEnv

@@ -13,7 +13,10 @@ import pytest
 import sympy
 import torch
 from torch._dynamo.source import ConstantSource
-from torch._prims_common import is_contiguous_for_memory_format_or_false
+from torch._prims_common import (
+    compute_elementwise_output_logical_to_physical_perm,
+    is_contiguous_for_memory_format_or_false,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
@@ -173,9 +176,11 @@ def test_the_sources_read_are_recognized():
     is recognized (a changed source would silently cost captures)."""
     shape_env._load()
     kinds = sorted(kind for kind, _ in shape_env._SITES.values())
-    assert kinds == ["exact"] * 6 + ["metadata", "probe", "storage"], kinds
+    # and those of a backend's compile (cagrad.capture.backend_queries)
+    assert kinds == ["exact"] * 10 + ["expand_stride", "metadata", "probe", "storage", "wrapper_storage"], kinds
     assert shape_env.zero_symbols()
     assert shape_env._PROBED is is_contiguous_for_memory_format_or_false
+    assert shape_env._PERM_CODE is compute_elementwise_output_logical_to_physical_perm.__code__
 
 
 _AUDITED_TORCH = pytest.mark.skipif(
