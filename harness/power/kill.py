@@ -9,8 +9,8 @@ the first that exits non-zero kills the mutant and the rest are skipped.
   against eager autograd, graph tasks, formulas, cache-key soundness,
   capture, size checks, leaf hooks (guarded hits of segmented graphs),
   saved-tensor hooks, the C++ extension's self-tests, hit guards and keys on
-  rare values, TraceShapeEnv's sites; about 50 s at a load average of 9 on
-  2 cores.
+  rare values, TraceShapeEnv's sites, what a backend assumed about the
+  symbols; about 50 s at a load average of 9 on 2 cores.
 * ``golden``: ``python -m golden_graphs check`` (FX graphs and cache keys of
   62 scenarios against the snapshot set of the installed torch).
 * ``fuzz``: ``python -m fuzz campaign`` bounded by ``--programs`` programs
