@@ -72,6 +72,108 @@ def test_a_size_guard_the_backend_adds_is_checked_on_every_hit():
     assert cagrad.counters["backend_compiles"] == 2
 
 
+_NARROWED: list[int] = []
+
+
+def _first_symbolic_dim(example_inputs) -> torch.SymInt:
+    dims = [
+        x.shape[0]
+        for x in example_inputs
+        if isinstance(x, torch.Tensor) and x.dim() and isinstance(x.shape[0], torch.SymInt)
+    ]
+    assert dims, "the test needs a graph traced with symbolic sizes"
+    return dims[0]
+
+
+def _valid_while(gm, low: int, high: int):
+    def run(*args):
+        first = next(a for a in args if isinstance(a, torch.Tensor) and a.dim())
+        if not low <= first.shape[0] <= high:
+            raise AssertionError("compiled code called outside what its backend assumed")
+        return gm(*args)
+
+    return run
+
+
+@register_backend(name="cagrad_test_relating")
+def _relating_backend(gm, example_inputs):
+    """Where the input of shape ``(a, b)`` has ``b == 2 * a``, branches on
+    it: the ShapeEnv replaces ``b``'s symbol by ``2 * a``'s (its guard then
+    reads ``2*a == 2*a``, true; neither range narrows), and the code is valid
+    only while that holds."""
+    x = next(x for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 2)
+    a, b = x.shape
+    assert isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr != b.node.expr
+    _NARROWED.append(int(a.node.hint))
+    if int(b.node.hint) != 2 * int(a.node.hint):
+        return gm
+    assert b == 2 * a  # records the replacement
+
+    def run(*args):
+        y = next(y for y in args if isinstance(y, torch.Tensor) and y.dim() == 2)
+        if y.shape[1] != 2 * y.shape[0]:
+            raise AssertionError("compiled code called outside what its backend assumed")
+        return gm(*args)
+
+    return run
+
+
+@register_backend(name="cagrad_test_ranges")
+def _range_backend(gm, example_inputs):
+    """Narrows the first symbol's range to [2, 9] where it is below 10
+    (``constrain_range``: a range, no guard) and returns code valid there."""
+    from torch.fx.experimental.symbolic_shapes import constrain_range
+
+    dim = _first_symbolic_dim(example_inputs)
+    n = int(dim.node.hint)
+    _NARROWED.append(n)
+    if n < 10:
+        constrain_range(dim, min=2, max=9)
+        return _valid_while(gm, 2, 9)
+    return gm
+
+
+def _scaled_step(w, n):
+    torch.manual_seed(n)
+    x = torch.randn(n, 8)
+    w.grad = None
+    (x * w).sin().sum().backward()
+    return [w.grad.clone()]
+
+
+@pytest.mark.parametrize(
+    "backend, step, sizes, compiled_at",
+    [
+        # (n, 8) with a symbol per size: 8 == 2 * 4 at the first backward only
+        ("cagrad_test_relating", _scaled_step, [4, 5, 4, 6], [4, 5]),
+        ("cagrad_test_ranges", _mlp_step, [4, 32, 5, 40], [4, 32]),
+    ],
+)
+def test_a_replacement_or_range_the_backend_records_is_checked_on_every_hit(backend, step, sizes, compiled_at):
+    """What a backend assumed about the symbols that no guard of the
+    ShapeEnv still says (one symbol replaced by an expression of another, a
+    narrowed range) joins the variant's size check
+    (``cagrad.keys.sizes.tighten``): a size outside it is a new capture, not
+    a call of code compiled for other sizes."""
+    torch.manual_seed(0)
+    model = (
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        if step is _mlp_step
+        else torch.randn(8, requires_grad=True)
+    )
+    expected = [step(model, n) for n in sizes]
+    before = len(_NARROWED)
+    with cagrad.enable(backend, dynamic=True):
+        actual = [step(model, n) for n in sizes]
+    for e, a in zip(expected, actual):
+        for x, y in zip(e, a):
+            same(x, y)
+    assert _NARROWED[before:] == compiled_at
+    assert cagrad.counters["captures"] == 2
+    assert cagrad.counters["cache_hits"] == 2
+    assert cagrad.counters["fallbacks"] == 0
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_one_tensor_saved_twice_then_two_tensors_is_not_read_as_one(backend, dynamic):

@@ -130,6 +130,30 @@ def test_a_plain_leaf_that_gained_a_cpp_hook_is_a_miss(graph) -> None:
     assert _PLAN.collect(order, _Census({id(order[1]): _found(hooks)})) is None
 
 
+class _CountingCensus(_Census):
+    """A census with a C++ hook reader (``counts``): it reports ``n`` C++
+    post hooks and no other hook on every leaf (the tuple of
+    ``cagrad.autograd._hook_counts`` for that case, written out)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__({})
+        self.counts = lambda node, is_leaf_sink: (0, (), (), 0, (), n, (), 0, None)
+
+
+def test_cpp_hooks_cagrad_does_not_know_are_a_miss_read_in_cpp(graph) -> None:
+    """The C++ reader counts two post hooks on the hooked leaf, but cagrad
+    knows only one of them (the other was added from C++ by something
+    else, in place of one of the reducer's): the guard misses, and the full
+    path finds the invisible hook; with both known, it gives both."""
+    order, hooks, registered = graph
+    registered[id(order[1].variable)] = hooks[:1]
+    assert _PLAN.collect(order, _CountingCensus(2)) is None
+    registered[id(order[1].variable)] = hooks
+    got = _PLAN.collect(order, _CountingCensus(2))
+    assert got is not None and got[1] == hooks
+    assert _PLAN.collect(order, _CountingCensus(3)) is None
+
+
 def test_a_guarded_backward_reads_as_the_collected_one() -> None:
     """What the segmented runtime reads of a guarded hit (:class:`GuardedBackward`):
     the lifted tensors with their saved-tensor slots, and the GraphTask built
