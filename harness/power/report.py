@@ -204,7 +204,10 @@ def build(
     """
     rows, info = load_rows(folders)
     rerun_summaries = apply_reruns(rows, reruns, info["run"]["modules"], moved)
-    stale = apply_equivalents(rows, load_equivalents(equivalents_path))
+    equivalents = load_equivalents(equivalents_path)
+    if moved:  # entries written against the current tree name the sample's rows by their moved ids
+        equivalents = {MutantId.parse(moved.get(str(k), str(k))): v for k, v in equivalents.items()}
+    stale = apply_equivalents(rows, equivalents)
     return {
         "tool": "cosmic-ray",
         "run": info["run"],

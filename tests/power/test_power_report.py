@@ -162,3 +162,12 @@ def test_a_rerun_of_a_moved_mutant_counts_for_the_sample_row_it_relocates_to(tmp
     _rerun(tmp_path / "r2", {moved_id: _killed("tests", diff.replace("+x is y", "+x != y"))})
     with pytest.raises(report.ReportError, match="another change"):
         report.build([tmp_path / "s"], tmp_path / "none.toml", [tmp_path / "r2"], {moved_id: A[1]})
+
+
+def test_an_equivalents_entry_at_a_moved_line_marks_the_sample_row_it_relocates_to(tmp_path):
+    _session(tmp_path / "s", {A[1]: SURVIVED})
+    eq = tmp_path / "eq.toml"
+    eq.write_text('[[equivalent]]\nmodule = "a.py"\nline = 9\noperator = "core/AddNot"\noccurrence = 5\nreason = "moved"\n')
+    assert report.build([tmp_path / "s"], eq)["total"]["survived"] == 1  # without the map: stale
+    rep = report.build([tmp_path / "s"], eq, (), {"a.py:9:core/AddNot:5": A[1]})
+    assert (rep["total"]["equivalent"], rep["stale_equivalents"]) == (1, [])
