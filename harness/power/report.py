@@ -96,9 +96,10 @@ def apply_reruns(
 
     Raises:
         ReportError: a folder without a session or not made with ``--mutant``,
-            of other modules than the sample, naming a mutant the sample does
+            missing some of the sample's modules, naming a mutant the sample does
             not hold, or whose mutant is not the sample's (another diff: the
-            code moved between the runs).
+            code moved between the runs). A module added since the sample is
+            no reason to refuse: its mutants are not the sample's.
     """
     by_id = {row["id"]: row for row in rows}
     summaries = []
@@ -109,8 +110,8 @@ def apply_reruns(
         p = meta.params
         if not p.only:
             raise ReportError(f"{folder}: a sampled run, not a rerun of named mutants (--mutant): merge it as a shard")
-        if p.modules != modules:
-            raise ReportError(f"{folder}: mutates {p.modules}, the sample {modules}")
+        if not set(modules) <= set(p.modules):
+            raise ReportError(f"{folder}: mutates {sorted(set(modules) - set(p.modules))} of the sample's modules no more")
         db = session.open_db(folder)
         try:
             results = dict(db.results)

@@ -160,20 +160,24 @@ def test_expert_counts_of_zero_and_one_settle_at_two_captures(seed):
 _INDUCTOR_SETS = [[0, 8, 7, 1], [4, 4, 4, 4], [1, 0, 7, 8], [5, 1, 2, 8], [3, 6, 0, 7], [2, 2, 4, 8]]
 
 
-def _no_inductor_caches(monkeypatch) -> None:
+@pytest.fixture
+def no_inductor_caches():
     """An entry that inductor or AOTAutograd cached for the same graph
     before brings its size guards back when loaded
-    (docs/checkpointing-and-dynamic-sizes.md): every compile here is fresh."""
+    (docs/checkpointing-and-dynamic-sizes.md): every compile here is fresh.
+    Through the config's own ``patch``: pytest's monkeypatch cannot undo a
+    setattr on torch's config modules (the option then no longer exists)."""
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
 
 
 @pytest.mark.skipif(
     torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
     reason="cagrad.capture.backend_queries recognizes the sources of torch 2.13.0 and 2.14.1 only",
 )
-def test_inductor_expert_counts_of_zero_and_one_need_no_third_capture(monkeypatch):
+def test_inductor_expert_counts_of_zero_and_one_need_no_third_capture(monkeypatch, no_inductor_caches):
     """Under inductor, steps whose counts put 0 and 1 on different experts
     (each count changes from the first step to the second): a static
     capture and a symbolic one serve every step, no fallback. Without
@@ -184,7 +188,6 @@ def test_inductor_expert_counts_of_zero_and_one_need_no_third_capture(monkeypatc
     ``s*6 >= 2`` (its broadcasts, ``aten.index``'s output permutation) on
     each expert's count: 5 captures in these 12 steps on torch 2.13.0."""
     monkeypatch.setenv("CAGRAD_SPECIALIZE", "0")
-    _no_inductor_caches(monkeypatch)
     steps = 2 * len(_INDUCTOR_SETS)
     _check(_INDUCTOR_SETS, steps, "inductor")
     c = cagrad.counters
@@ -197,12 +200,11 @@ def test_inductor_expert_counts_of_zero_and_one_need_no_third_capture(monkeypatc
     torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
     reason="cagrad.capture.backend_queries recognizes the sources of torch 2.13.0 and 2.14.1 only",
 )
-def test_inductor_expert_counts_of_zero_and_one_settle_at_two_captures(monkeypatch):
+def test_inductor_expert_counts_of_zero_and_one_settle_at_two_captures(monkeypatch, no_inductor_caches):
     """The 50 steps of counts 0 to 8 (seed 2) under inductor as cagrad
     compiles by default (static first, symbolic code at the first other
     sizes, static compiles of hot sizes): at most 2 captures, no fallback
     (before: 6 captures, 2 ``dynamic_shapes`` fallbacks)."""
-    _no_inductor_caches(monkeypatch)
     steps = 50
     _check(_count_sets(2, 0, steps), steps, "inductor")
     c = cagrad.counters
