@@ -328,11 +328,7 @@ def _storage_size_query(ctor: Any, called: Any, expr: Any, start: int) -> int | 
     sizes = (ctor.f_locals.get("new_kwargs") or {}).get("size")
     if not isinstance(sizes, (list, tuple)):
         return None
-    for i in range(start, len(sizes)):
-        s = sizes[i]
-        if isinstance(s, torch.SymInt) and expr == sympy.Eq(s.node.expr, 0):
-            return i
-    return None
+    return backend_queries.zero_test_position(sizes, expr, start)
 
 
 def _asked_from_cpp(called: Any) -> bool:
