@@ -271,6 +271,10 @@ def test_the_211_torch_ca_errors_match_only_torch_ca_on_211_with_their_op(issue_
     known = KnownIssues.default()
     sig, ops = SEEN_211[issue_id]
     assert known.match(sig, "2.11.0+cu130", ops).id == issue_id
-    assert known.match(sig, "2.13.0", ops) is None  # not seen on the versions CI runs
+    if issue_id == "torch-ca-stateful-symbolic-context":  # seen on 2.13.0 too (campaign seed 43, maximum)
+        assert known.match(sig, "2.13.0", ["maximum"]).id == issue_id
+        assert known.match(sig, "2.14.1", ops) is None
+    else:
+        assert known.match(sig, "2.13.0", ops) is None  # not seen on the versions CI runs
     assert known.match(sig.replace("torch_ca", "cagrad", 1), "2.11.0+cu130", ops) is None
     assert known.match(sig, "2.11.0+cu130", ["exp"]) is None
