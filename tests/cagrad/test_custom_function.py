@@ -153,6 +153,19 @@ def test_once_differentiable():
     check(build)
 
 
+def _x_like_eager_w_without_grad_one_retrace(step, runs: int) -> None:
+    """``step(seed) -> (x.grad, w.grad)`` for seeds ``0..runs-1``, eager then
+    under ``cagrad.enable("eager")``: ``x.grad`` the same, ``w.grad`` None in
+    both (:class:`NoGradForW`), and one deopt finished by one retrace."""
+    expected = [step(s) for s in range(runs)]
+    with cagrad.enable("eager"):
+        actual = [step(s) for s in range(runs)]
+    for (ex, ew), (ax, aw) in zip(expected, actual):
+        same(ex, ax)
+        assert ew is None and aw is None
+    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+
+
 def test_returning_none_for_an_input_that_requires_grad():
     """The trace assumes a gradient there; the first run is finished by the
     interpreter and traced again at its end with the pattern seen, and
@@ -165,13 +178,7 @@ def test_returning_none_for_an_input_that_requires_grad():
         NoGradForW.apply(x.exp(), w).sum().backward()
         return x.grad, w.grad
 
-    expected = [step(s) for s in range(4)]
-    with cagrad.enable("eager"):
-        actual = [step(s) for s in range(4)]
-    for (ex, ew), (ax, aw) in zip(expected, actual):
-        same(ex, ax)
-        assert ew is None and aw is None
-    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+    _x_like_eager_w_without_grad_one_retrace(step, 4)
     assert cagrad.counters["captures"] == 1
     assert cagrad.counters["cache_hits"] == 3
     assert cagrad.counters["fallbacks"] == 0
@@ -191,13 +198,7 @@ def test_returning_none_then_the_interpreter_sums_two_gradients():
         (NoGradForW.apply(a, w) + a * 2).sum().backward()
         return x.grad, w.grad
 
-    expected = [step(s) for s in range(3)]
-    with cagrad.enable("eager"):
-        actual = [step(s) for s in range(3)]
-    for (ex, ew), (ax, aw) in zip(expected, actual):
-        same(ex, ax)
-        assert ew is None and aw is None
-    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+    _x_like_eager_w_without_grad_one_retrace(step, 3)
 
 
 def test_returning_none_then_the_interpreter_runs_an_aot_backward():
@@ -216,13 +217,7 @@ def test_returning_none_then_the_interpreter_runs_an_aot_backward():
         NoGradForW.apply(region(x.exp()), w).sum().backward()
         return x.grad, w.grad
 
-    expected = [step(s) for s in range(3)]
-    with cagrad.enable("eager"):
-        actual = [step(s) for s in range(3)]
-    for (ex, ew), (ax, aw) in zip(expected, actual):
-        same(ex, ax)
-        assert ew is None and aw is None
-    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+    _x_like_eager_w_without_grad_one_retrace(step, 3)
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["nodes_forced_opaque"] == 0, dict(cagrad.counters["opaque_reasons"])
 
@@ -242,13 +237,7 @@ def test_returning_none_deep_in_a_long_graph_resumes_at_that_node():
         y.sum().backward()
         return x.grad, w.grad
 
-    expected = [step(s) for s in range(2)]
-    with cagrad.enable("eager"):
-        actual = [step(s) for s in range(2)]
-    for (ex, ew), (ax, aw) in zip(expected, actual):
-        same(ex, ax)
-        assert ew is None and aw is None
-    assert cagrad.counters["deopts"] == 1 and cagrad.counters["retraces"] == 1
+    _x_like_eager_w_without_grad_one_retrace(step, 2)
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
 
 
