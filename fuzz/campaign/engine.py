@@ -29,15 +29,42 @@ TIMELINE_EVERY_S = 5.0
 MAX_START_FAILURES = 3
 
 
-def _raise_on_sigterm() -> Any:
-    """SIGTERM (a CI timeout, ``kill``) ends the campaign like Ctrl-C does."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+class _StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (a CI timeout, ``kill``) stop the campaign.
 
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    The first signal only sets :attr:`requested`; the parent's loop checks it
+    between steps and stops there, so a signal never lands inside code that
+    cannot take an exception at any point (Hypothesis generating a round's
+    steering counts asserts on one). A second signal raises
+    ``KeyboardInterrupt`` at once. Installed only in the main thread.
+    """
 
-    return signal.signal(signal.SIGTERM, handler)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def check(self) -> None:
+        """Raises ``KeyboardInterrupt`` once a stop was requested."""
+        if self.requested:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
 
 
 class _Shrink(threading.Thread):
@@ -78,6 +105,7 @@ class Campaign:
         self._pending: list[tuple[int, int]] = []
         self._last_new = -1
         self._stopping = False
+        self._signals = _StopSignals()
         self._start_failures = 0
         self._exit_status = 0
         self._settled: set[str] = set()
@@ -166,24 +194,20 @@ class Campaign:
             disable=not self.cfg.progress,
         )
         interrupted = False
-        previous_term = _raise_on_sigterm()
         self._elapsed_before = elapsed_before
         self._session = session
-        try:
-            with progress:
-                self._task = progress.add_task("fuzzing", total=self.cfg.budget_s, programs=0, rate="0.0", failures=0, left="")
-                self._progress = progress
-                try:
-                    for slot in range(self.cfg.workers):
-                        self._spawn(slot, self._next_task())
-                    self._loop()
-                except KeyboardInterrupt:
-                    interrupted = True
-                finally:
-                    self._shutdown()
-        finally:
-            if previous_term is not None:
-                signal.signal(signal.SIGTERM, previous_term)
+        with self._signals, progress:
+            self._task = progress.add_task("fuzzing", total=self.cfg.budget_s, programs=0, rate="0.0", failures=0, left="")
+            self._progress = progress
+            try:
+                for slot in range(self.cfg.workers):
+                    self._signals.check()
+                    self._spawn(slot, self._next_task())
+                self._loop()
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                self._shutdown()
         self._exit_status = 1 if s["failures"] else (130 if interrupted else 0)
         self._finish()
         self._print_summary()
@@ -198,6 +222,7 @@ class Campaign:
         last_sample = last_save = time.monotonic()
         hard_end = self._deadline + self.cfg.shrink_s + self.cfg.timeout_s + 30
         while True:
+            self._signals.check()
             for slot, w in list(self.workers.items()):
                 if w.round is None and slot not in self.shrinks:
                     task = self._next_task()

@@ -248,6 +248,41 @@ def test_a_campaign_stopped_by_sigterm_resumes_its_rounds(tmp_path: Path) -> Non
     assert len(again["sessions"]) == 2
 
 
+def test_a_stop_signal_waits_for_the_steering_count_it_lands_in(monkeypatch) -> None:
+    """A signal that lands while the parent counts a round for steering (a
+    Hypothesis test run) only sets the stop flag: the count finishes, the
+    campaign's loop then stops; a second signal raises at once. (Raising in the
+    middle of Hypothesis made it assert instead, and the campaign exit 3.)"""
+    import signal
+
+    from fuzz.campaign import engine, steer
+
+    sent = []
+    add_counts = steer.coverage.add_counts
+
+    def counting(counts, names):  # the first program of the count sends SIGTERM to this process
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        add_counts(counts, names)
+
+    monkeypatch.setattr(steer.coverage, "add_counts", counting)
+    gen = GenConfig()
+    with engine._StopSignals() as stop:
+        try:
+            plan = steer.Steering(gen, 3, 4).plan(1)  # counts round 0's programs
+        except KeyboardInterrupt:
+            pytest.fail("the first stop signal raised inside the steering count")
+        assert sent and stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            stop.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(steer.coverage, "add_counts", add_counts)
+    assert plan == steer.Steering(gen, 3, 4).plan(1)
+    assert signal.getsignal(signal.SIGTERM) != stop._handler
+
+
 def _exp_campaign(out: Path, plugin: str) -> dict:
     """A small campaign of exp/sin/neg/sum programs under one plugin
     subject of broken_subject.py; its report."""
