@@ -19,20 +19,18 @@ import torch
 
 import harness
 from harness.program import ProgramRun, run_backward
+from harness.subjects import graph_nodes
 
 
 def graph_has(outputs: list[torch.Tensor], node_name: str) -> bool:
-    seen: set[int] = set()
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if type(node).__name__ == node_name:
-            return True
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return False
+    """Whether a node of type ``node_name`` is reachable from ``outputs``.
+
+    The walk (:func:`harness.subjects.graph_nodes`) keeps every node's Python
+    object alive while it runs: a C++ node's object is created on access and
+    freed with its last reference, so a walk keyed by ``id`` alone could meet
+    a new node at a freed one's address and skip it (it missed the
+    ``MulBackward0`` of a double-backward program on torch 2.11)."""
+    return any(type(node).__name__ == node_name for node in graph_nodes(outputs))
 
 
 class BrokenMulSubject(harness.EagerSubject):
