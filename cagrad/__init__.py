@@ -32,26 +32,35 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``keys.sizes``                  size slots (SizeInput) and per-variant size checks
 ``keys.cache``                  CacheNode trie, compiled entries, fallback verdicts
 ``keys.hit_path``               generated hit guards (the cache-hit path)
+``keys.leaf_hooks``              guards of graphs whose only hooks are C++ post hooks on leaves
 ``capture/`` (trace)
 ``capture.compiler``            AutogradCompilerInstance: the trace
 ``capture.runtime_ops``         opaque calls: hooks, opaque nodes, AccumulateGrad
 ``capture.segments``            graphs cut at opaque calls, compiled per segment
 ``capture.shape_env``           the trace's ShapeEnv: sizes of 1 as symbols
+``capture.backend_queries``     a backend's size queries answered without a guard (MoE counts)
+``capture.leaf_hook_groups``    accumulations with C++ hooks only, grouped (DDP buckets)
+``capture.shells``              lifted tensors as metadata, for a retrace after a run freed them
 ``compile/`` (backend)
 ``compile.backends``            compiler_fn resolution
 ``compile.direct_compile``      backends called without Dynamo
 ``compile.specialize``          static-first graphs, specialized per size
 ``compile.boxed``               boxed calls that free each input after its last use
 ``compile.cuda_graphs``         CUDA-graph replay (``mode="reduce-overhead"``)
+``compile.cuda_graph_host``     a CUDA graph's host inputs, read by value, and unread ones
+``compile.cuda_graph_layout``   a CUDA graph's buffers, spans and in-place addresses
 ``compile.disk_cache``          captured graphs stored on disk (warm start)
 ``compile.graph_serde``         captured graphs and size expressions as plain data
+``compile.marked_sizes``        ``mark_dynamic`` sizes handed to a Dynamo ``compiler_fn`` as symbols
 ``native/`` (C++ extension)
 ``native.build``                compiling cagrad_ext.cpp against torch's headers
 ``native.self_tests``           each C++ function against the Python it replaces
+``native.guard_program``        the instructions of the extension's hit-guard walk and collect
 ``run/`` (run)
 ``run.runtime``                 the runtime wrapper around a compiled graph
 ``run.interpreter``             the walk on real tensors (finishing deopted runs)
 ``run.host``                    a GraphTask of torch's around a graph, for C++ callbacks
+``run.guarded``                 a segmented backward run from a hit guard's collection
 top level
 ``compiled_backward``           one backward: collect, look up, capture, run
 ``engine``                      the stand-in for torch's autograd engine

@@ -87,8 +87,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import operator
 import os
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +95,19 @@ import torch
 
 from .. import native
 from ..counters import counters
+from .cuda_graph_host import MAX_HOST_VALUES, _HostInputs, unread_host_inputs
+from .cuda_graph_layout import (
+    _data_ptr,
+    _fits,
+    _in_place,
+    _key,
+    _Mask,
+    _overlaps,
+    _params,
+    _Recorded,
+    _span,
+    _storage_address,
+)
 
 log = logging.getLogger("cagrad.cuda_graphs")
 
@@ -143,109 +154,6 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
     return None
 
 
-class _Recorded:
-    __slots__ = (
-        "graph", "buffers", "static", "outputs", "copies_device", "handed", "copies", "device", "frees", "next", "used",
-        "addresses_by_data", "spans",
-    )
-
-    def __init__(
-        self, graph: Any, buffers: list, static: list[bool], outputs: list, device: int, addresses_by_data: bool = False,
-        spans: dict[int, torch.Tensor] | None = None,
-    ) -> None:
-        self.graph = graph
-        self.device = device  # the CUDA device index it was recorded on
-        # some CUDA input holds integers or booleans: indices or a mask, which
-        # kernels turn into addresses (see CudaGraphed.speculate)
-        self.addresses_by_data = addresses_by_data
-        # the allocator's device_frees count when its in-place addresses last
-        # held its inputs (a replay or the recording), None where unknown
-        self.frees: int | None = None
-        self.next: _Recorded | None = None  # the graph replayed after it, last time
-        self.used = 0  # CudaGraphed.replays at its last replay
-        self.buffers = buffers  # per input: the buffer the graph reads, None if in place
-        self.static = static  # per input: read in place
-        self.outputs = outputs
-        self.handed: list | None = None  # aliases of the outputs handed out after the last replay
-        # the copies before each replay, one group per device of the
-        # buffers: (buffers, input positions); each group is one
-        # _foreach_copy_, a few kernel launches where per-input copy_
-        # calls would launch one each (chain200: 200 inputs)
-        # inputs whose elements share memory (an expanded tensor): the graph
-        # reads a view of a buffer holding their storage span (_span)
-        self.spans = spans or {}
-        groups: dict[Any, tuple[list, list[int]]] = {}
-        for i, buf in enumerate(buffers):
-            if buf is not None and i not in self.spans:
-                bufs, at = groups.setdefault(buf.device, ([], []))
-                bufs.append(buf)
-                at.append(i)
-        self.copies = list(groups.values())
-        # some CUDA input is copied before each replay
-        self.copies_device = any(device.type == "cuda" for device in groups) or any(
-            flat.device.type == "cuda" for flat in self.spans.values()
-        )
-
-    def fill(self, inputs: list) -> bool:
-        """Copies the inputs the graph does not read in place into its
-        buffers; False, copying nothing of an overlapping input, where one
-        has other strides than at the recording (its span would be another
-        set of elements)."""
-        for bufs, at in self.copies:
-            torch._foreach_copy_(bufs, [inputs[i] for i in at])
-        for i, flat in self.spans.items():
-            t, view = inputs[i], self.buffers[i]
-            if t.stride() != view.stride() or t.size() != view.size():
-                return False
-            flat.copy_(_span(t))
-        return True
-
-
-def _storage_address(t: torch.Tensor) -> int:
-    """The address of ``t``'s storage, computed from ``t``'s own: asking
-    ``untyped_storage()`` would make a Python storage object that lives as
-    long as the memory (torch preserves it) and counts as one more holder,
-    so :func:`cagrad.native.reclaim_fn` could never move an output so
-    touched."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
-
-
-def _span(t: torch.Tensor) -> torch.Tensor:
-    """The elements of ``t``'s storage from its first element to its last,
-    as a flat tensor (shape ``(n,)``): every element a view with
-    non-negative strides reads lies in it, at the same offsets from the
-    first. Torch's strides are never negative."""
-    n = 1 + sum((size - 1) * stride for size, stride in zip(t.size(), t.stride()))
-    return t.as_strided((n,), (1,), t.storage_offset())
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """Whether torch finds that elements of ``t`` share memory (a stride of
-    0 over a dimension of size > 1: an ``expand``ed tensor), which makes
-    ``t`` no destination for a copy (``assert_no_internal_overlap`` raises
-    on exactly this answer, ``MemoryOverlap::Yes``; layouts it cannot judge,
-    an ``unfold`` window, are copied into as they are)."""
-    return torch._debug_has_internal_overlap(t) == 1
-
-
-class _Mask:
-    """Which inputs some graph reads in place, and a C-level reader of their
-    addresses (a graph's key holds exactly those)."""
-
-    __slots__ = ("static", "picks", "count")
-
-    def __init__(self, static: list[bool]) -> None:
-        self.static = tuple(static)
-        at = [i for i, s in enumerate(static) if s]
-        self.count = len(at)
-        if len(at) >= 2:
-            self.picks: Callable[[list[int]], tuple] = operator.itemgetter(*at)
-        elif at:
-            self.picks = lambda addresses, i=at[0]: (addresses[i],)
-        else:
-            self.picks = lambda addresses: ()
-
-
 LAYOUT_GRAPHS = 3
 """Graphs kept per tuple of sizes (the copying graph and one per layout of
 an allocator that alternates between two): a graph recorded for a layout
@@ -255,142 +163,6 @@ LAYOUT_RECORDS = 6
 """Graphs recorded per tuple of sizes, in all, after which a call whose
 graph copies inputs does not record one that reads them in place (an
 allocator that never settles would otherwise record on every call)."""
-
-MAX_HOST_VALUES = 8
-"""Most elements a host (CPU) input of a CUDA-graphed backward may have: its
-values are part of the graph's key and compared on every call."""
-
-
-def _host_inputs_ok(inputs: list, host: list[int]) -> bool:
-    """Whether a graph with these host inputs (positions) may be recorded:
-    some input is on CUDA (there is GPU work to replay) and every host input
-    is a small dense CPU tensor (read by value, :meth:`_HostInputs.key`)."""
-    return len(host) < len(inputs) and all(
-        inputs[i].device.type == "cpu" and inputs[i].layout == torch.strided and inputs[i].numel() <= MAX_HOST_VALUES
-        for i in host
-    )
-
-
-# arguments that carry a random-number generator's state into an op, read
-# by its kernels only when the op's dropout_p is not 0 (the attention
-# backwards: _scaled_dot_product_{flash,efficient,cudnn}_attention_backward,
-# _flash_attention_backward, _efficient_attention_backward)
-_RNG_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
-
-
-def unread_host_inputs(graph_module: torch.fx.GraphModule) -> frozenset[int]:
-    """Positions ``j`` of the graph inputs (``inputs[j]``) whose values no
-    kernel reads: inputs the graph does not use, and inputs passed (directly
-    or through ``detach``/``alias``) only as the RNG state of ops whose
-    ``dropout_p`` argument is the constant 0. A transformer's attention
-    backward takes a philox seed and offset that change at every forward even
-    without dropout; leaving them out of a graph's key is what lets such a
-    backward replay. The op schemas name the arguments, so the rule holds
-    for any op with these argument names."""
-    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    if not placeholders:
-        return frozenset()
-    unread = set()
-    for node in placeholders[0].users:
-        if node.op == "call_function" and node.target is operator.getitem and type(node.args[1]) is int:
-            if _only_unread_rng_state(node):
-                unread.add(node.args[1])
-    return frozenset(unread)
-
-
-def _only_unread_rng_state(node: torch.fx.Node) -> bool:
-    for user in node.users:
-        if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
-            return False
-        if user.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            if not _only_unread_rng_state(user):
-                return False
-            continue
-        names = [a.name for a in user.target._schema.arguments]
-        bound = dict(zip(names, user.args))
-        bound.update(user.kwargs)
-        dropout_p = bound.get("dropout_p")
-        if type(dropout_p) not in (int, float) or dropout_p != 0:
-            return False
-        as_rng = [name for name, value in bound.items() if value is node]
-        if not as_rng or _count_uses(user, node) != len(as_rng) or any(name not in _RNG_ARGUMENTS for name in as_rng):
-            return False
-    return True
-
-
-def _count_uses(user: torch.fx.Node, node: torch.fx.Node) -> int:
-    """How many times ``node`` appears in ``user``'s arguments (in lists too)."""
-    count = 0
-
-    def visit(n: torch.fx.Node) -> torch.fx.Node:
-        nonlocal count
-        count += n is node
-        return n
-
-    torch.fx.node.map_arg((user.args, user.kwargs), visit)
-    return count
-
-
-class _HostInputs:
-    """The host (CPU) inputs of one compiled backward, read by value.
-
-    Which inputs are on the host, and each one's dtype and rank, are fixed
-    by the cache key (it holds every lifted tensor's device, dtype and
-    rank), and each one's shape by the sizes; so they are sorted out on the
-    first call, and checked (:func:`_host_inputs_ok`) once per tuple of
-    sizes.
-
-    Attributes:
-        positions: the host inputs' positions in the graph's inputs.
-    """
-
-    __slots__ = ("positions", "scalars", "small", "checked")
-
-    def __init__(self, inputs: list, unread: frozenset[int]) -> None:
-        self.positions = [i for i, t in enumerate(inputs) if not t.is_cuda]
-        keyed = [i for i in self.positions if i not in unread]
-        self.scalars = [i for i in keyed if inputs[i].dim() == 0]
-        self.small = [i for i in keyed if inputs[i].dim() != 0]
-        self.checked: set[tuple] = set()
-
-    def ok(self, inputs: list, size_key: tuple) -> bool:
-        """Whether these inputs may be recorded at these sizes (see :func:`_host_inputs_ok`)."""
-        if size_key in self.checked:
-            return True
-        if not _host_inputs_ok(inputs, self.positions):
-            return False
-        self.checked.add(size_key)
-        return True
-
-    def key(self, inputs: list) -> tuple:
-        """The host inputs' part of a graph's key: their values (0-dim ones
-        by ``item()``, about 0.1 us each), and the sign of each zero among
-        them: -0.0 equals 0.0 but is another operand (``x * -0.0`` has
-        other signs). A NaN never equals itself, so a call with one records
-        a graph of its own until the bound, then runs without one."""
-        values = tuple([inputs[i].item() for i in self.scalars])
-        if self.small:
-            values += tuple([v for i in self.small for v in inputs[i].reshape(-1).tolist()])
-        if 0 in values:
-            return values, tuple([math.copysign(1.0, v) for v in values if type(v) is float and v == 0])
-        return values, ()
-
-
-_data_ptr = torch.Tensor.data_ptr
-
-
-def _params(inputs: list) -> list[bool]:
-    """Which inputs are parameters (CUDA leaves that require grad): always
-    read in place."""
-    return [t.is_cuda and t.is_leaf and t.requires_grad for t in inputs]
-
-
-def _in_place(inputs: list, params: list[bool], addresses: list[int], earlier: list[int] | None) -> list[bool]:
-    """Which inputs a new graph reads in place: parameters, and CUDA inputs
-    at the address they had in the ``earlier`` call."""
-    earlier = earlier or [None] * len(inputs)
-    return [t.is_cuda and (p or a == b) for t, p, a, b in zip(inputs, params, addresses, earlier)]
-
 
 _capture_streams: dict[int, Any] = {}
 
@@ -417,19 +189,6 @@ def _capturing(graph: Any) -> Any:
             yield
         finally:
             graph.capture_end()
-
-
-def _fits(t: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether ``t`` has ``buf``'s sizes, strides, dtype and device."""
-    return (
-        isinstance(t, torch.Tensor) and t.dtype == buf.dtype and t.device == buf.device
-        and t.size() == buf.size() and t.stride() == buf.stride()
-    )
-
-
-def _key(size_key: tuple, addresses: list[int], mask: _Mask) -> tuple:
-    """A graph's key: the sizes (and host values), and the addresses it reads in place."""
-    return size_key, mask.static, mask.picks(addresses)
 
 
 class CudaGraphed:
