@@ -50,6 +50,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``compile.cuda_graph_host``     a CUDA graph's host inputs, read by value, and unread ones
 ``compile.cuda_graph_layout``   a CUDA graph's buffers, spans and in-place addresses
 ``compile.disk_cache``          captured graphs stored on disk (warm start)
+``compile.traced_serde``        a capture (Traced) as plain data, and back
 ``compile.graph_serde``         captured graphs and size expressions as plain data
 ``compile.marked_sizes``        ``mark_dynamic`` sizes handed to a Dynamo ``compiler_fn`` as symbols
 ``native/`` (C++ extension)
