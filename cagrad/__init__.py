@@ -96,6 +96,7 @@ from .api import Capture, capture, enable, explain, reset  # noqa: E402
 _internals.run_checks()
 _internals.guarded("tensor_hooks", _hooks_census.install)
 _internals.guarded("function_apply", _custom_function.install)
+_internals.guarded("input_grad_buffers", _custom_function.install_input_grad_buffers)
 _internals.guarded("graph_task_queries", _run_context.install)
 _internals.guarded("ddp_reducer", _cpp_hooks.install)
 try:

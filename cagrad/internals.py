@@ -374,6 +374,23 @@ def _check_materialize_grads() -> str | None:
     return None
 
 
+def _check_input_grad_buffers() -> str | None:
+    from torch.autograd.function import BackwardCFunction
+
+    # cagrad.autograd.custom_function.input_grad_buffers_owner, read here
+    # without importing that module (it imports this one)
+    owner = next((k for k in BackwardCFunction.__mro__ if "input_grad_buffers" in k.__dict__), None)
+    if owner is None:
+        return None  # torch <= 2.14: no engine buffer reaches a custom backward
+    descriptor = owner.__dict__["input_grad_buffers"]
+    if not isinstance(descriptor, property):  # 2.15: a Python property of FunctionCtx
+        return (
+            f"{owner.__name__}.input_grad_buffers is a {type(descriptor).__name__}, "
+            "not a property cagrad can answer for the backwards it runs"
+        )
+    return None
+
+
 def _check_ddp_reducer() -> str | None:
     import torch.distributed as dist
 
@@ -481,6 +498,13 @@ for _entry in (
         "cagrad.autograd.custom_function",
         "custom_function",
         _check_materialize_grads,
+    ),
+    Internal(
+        "input_grad_buffers",
+        "FunctionCtx.input_grad_buffers (torch 2.15: the engine's InputBuffers, handed to a custom backward)",
+        "cagrad.autograd.custom_function",
+        "custom_function",
+        _check_input_grad_buffers,
     ),
     Internal(
         "functions_header",

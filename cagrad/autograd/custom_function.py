@@ -138,6 +138,53 @@ def install() -> None:
     Function.apply = classmethod(_apply)  # type: ignore[method-assign, assignment]
 
 
+_BUFFERS = "input_grad_buffers"
+
+
+def input_grad_buffers_owner() -> tuple[type | None, Any]:
+    """The class in ``BackwardCFunction``'s MRO that defines
+    ``input_grad_buffers`` and its descriptor (torch 2.15: a Python
+    property of ``FunctionCtx``); ``(None, None)`` on a torch without it
+    (2.14 and older)."""
+    for klass in BackwardCFunction.__mro__:
+        if _BUFFERS in klass.__dict__:
+            return klass, klass.__dict__[_BUFFERS]
+    return None, None
+
+
+def install_input_grad_buffers() -> None:
+    """Makes ``ctx.input_grad_buffers`` answer ``None`` for every forward
+    input while cagrad runs that ctx's backward (idempotent; nothing where
+    torch lacks the property). Call it through
+    ``internals.guarded("input_grad_buffers", ...)``.
+
+    torch 2.15's property (pytorch/pytorch#196491) hands a custom backward
+    the engine's ``InputBuffer`` of an input where an earlier producer has
+    filled one, so that the backward can add its gradient into it and
+    return None. It reads the state of the ``GraphTask`` running the node;
+    a backward cagrad runs has no such node in torch's engine, and the
+    current ``GraphTask`` may be another backward's (a host ``GraphTask``
+    of :mod:`cagrad.run.host`, an eager backward around cagrad's): its
+    buffer, or an error, would not be eager's. An entry of ``None`` ("no
+    earlier producer") is always allowed by the property's contract and
+    makes the backward return that gradient, which cagrad then adds as the
+    engine's ``InputBuffer`` does. Backwards torch's engine runs (eager,
+    fallbacks) get torch's own answer.
+    """
+    owner, original = input_grad_buffers_owner()
+    if owner is None or hasattr(getattr(original, "fget", None), "_cagrad_original"):
+        return
+
+    def fget(self: Any) -> Any:
+        if run_context.running_custom(self):
+            return (None,) * len(self.needs_input_grad)
+        return original.__get__(self, type(self))
+
+    fget._cagrad_original = original  # type: ignore[attr-defined]
+    fget.__doc__ = original.__doc__
+    setattr(owner, _BUFFERS, property(fget, doc=original.__doc__))
+
+
 def record_of(node: Any) -> ForwardRecord | None:
     """The forward record of a custom Function node, or None if unknown."""
     record = node.__dict__.get(_RECORD)
@@ -197,10 +244,10 @@ def apply(
         elif getattr(node._forward_cls, "boxed_grads_call", False):
             # PyNode::apply hands such backwards (AOTAutograd's compiled
             # ones) the gradients as one mutable list
-            with run_context.custom_backward():
+            with run_context.custom_backward(node):
                 r = node.apply_boxed(list(args))
         else:
-            with run_context.custom_backward():
+            with run_context.custom_backward(node):
                 r = node.apply(*args)
     r = r if isinstance(r, tuple) else (r,)
     n_inputs = len(record.is_variable_input)

@@ -180,18 +180,31 @@ def delegated() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def custom_backward() -> Iterator[None]:
+def custom_backward(node: Any = None) -> Iterator[None]:
     """A custom Function's own backward runs in this block (cagrad calls it
-    as ``PyNode::apply`` does). A backward it starts (a reentrant
-    ``torch.utils.checkpoint`` recomputes its region and calls
-    ``torch.autograd.backward`` on it) is a backward of the user's, which
-    ``cagrad.engine`` runs through cagrad like the outer one."""
+    as ``PyNode::apply`` does); ``node`` is its ctx (the
+    ``BackwardCFunction``), which :func:`running_custom` names. A backward
+    it starts (a reentrant ``torch.utils.checkpoint`` recomputes its region
+    and calls ``torch.autograd.backward`` on it) is a backward of the
+    user's, which ``cagrad.engine`` runs through cagrad like the outer one."""
     depth = getattr(_tls, "custom_depth", 0)
+    nodes = getattr(_tls, "custom_nodes", None)
+    if nodes is None:
+        nodes = _tls.custom_nodes = []
     _tls.custom_depth = depth + 1
+    nodes.append(node)
     try:
         yield
     finally:
+        nodes.pop()
         _tls.custom_depth = depth
+
+
+def running_custom(node: Any) -> bool:
+    """Whether ``node``'s backward is the innermost one cagrad runs in this
+    thread (:func:`custom_backward`), not one torch's engine runs."""
+    nodes = getattr(_tls, "custom_nodes", None)
+    return bool(nodes) and nodes[-1] is node
 
 
 def in_custom_backward() -> bool:

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.autograd.function import Function
+from torch.autograd.function import Function, FunctionCtx
 
 import cagrad
 from cagrad import doctor, internals, native, torch_compat
-from cagrad.autograd import node_schema
+from cagrad.autograd import custom_function, node_schema, run_context
 
 
 class _Double(Function):
@@ -158,6 +158,83 @@ def test_materialize_grads(broken):
     broken.setattr(torch._C, "_FunctionBase", _Base)
     internals.recheck()
     _assert_falls_back("materialize_grads", "custom_function", custom=True)
+
+
+_seen_buffers: list = []  # what each _Fused backward read from ctx.input_grad_buffers
+
+
+class _Fused(Function):
+    """A backward written for torch 2.15's ``ctx.input_grad_buffers``: it adds
+    its gradient into the engine's buffer where one is handed to it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        (buffer,) = ctx.input_grad_buffers
+        _seen_buffers.append(buffer)
+        grad = g * 2 + x
+        if buffer is None:
+            return grad
+        buffer.add_(grad)
+        return None
+
+
+def _buffers_as_torch_215(ctx):
+    """A stand-in for torch 2.15's property on a torch without it: torch's
+    engine answers only for the node it runs (here: no earlier producer,
+    None); outside a GraphTask of torch's the query fails, as Dynamo's
+    trace of a backward did (pytorch/pytorch#197314)."""
+    if run_context._original_graph_task_id() == -1:
+        raise RuntimeError("input_grad_buffers is only available inside torch's backward")
+    return (None,) * len(ctx.needs_input_grad)
+
+
+def _fused_grads(compiled: bool) -> torch.Tensor:
+    x = torch.arange(1.0, 5.0).requires_grad_()
+    loss = _Fused.apply((x * x).sin()).sum()
+    if compiled:
+        with cagrad.enable("eager"):
+            loss.backward()
+    else:
+        loss.backward()
+    return x.grad
+
+
+def test_input_grad_buffers_answered_for_cagrads_backwards(broken):
+    """torch 2.15's ctx.input_grad_buffers, simulated: a custom backward that
+    reads it compiles and runs; cagrad answers None (the backward returns
+    its gradient), eager backwards get torch's own answer."""
+    broken.setattr(FunctionCtx, "input_grad_buffers", property(_buffers_as_torch_215), raising=False)
+    internals.recheck()
+    assert internals.ok("input_grad_buffers")
+    custom_function.install_input_grad_buffers()
+    custom_function.install_input_grad_buffers()  # idempotent: one wrapper
+    assert FunctionCtx.__dict__["input_grad_buffers"].fget._cagrad_original.fget is _buffers_as_torch_215
+    _seen_buffers.clear()
+    expected = _fused_grads(compiled=False)
+    got = _fused_grads(compiled=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert _seen_buffers == [None, None]  # eager's (torch's answer), then cagrad's
+    assert cagrad.counters["captures"] == 1 and cagrad.counters["fallbacks"] == 0
+
+
+def test_input_grad_buffers_of_another_kind(broken):
+    """The property is not a Python property (say, a C descriptor cagrad
+    cannot answer through): backwards with a custom Function fall back."""
+
+    class _Descriptor:
+        def __get__(self, obj, cls):
+            return ()
+
+    broken.setattr(FunctionCtx, "input_grad_buffers", _Descriptor(), raising=False)
+    internals.recheck()
+    assert "_Descriptor" in internals.why("input_grad_buffers")
+    _assert_falls_back("input_grad_buffers", "custom_function", custom=True)
 
 
 @pytest.mark.parametrize("header", ["missing", "changed"])
