@@ -34,8 +34,10 @@ backward under ``aot_eager``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,13 +70,109 @@ def _autocast() -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES]
 
 
-def _configs() -> dict[str, dict[str, Any]]:
-    out = {}
-    for name in _CONFIGS:
-        mod = sys.modules.get(name)
-        if mod is not None and hasattr(mod, "get_config_copy"):
-            out[name] = mod.get_config_copy()
-    return out
+#: the value types torch's config export hands out as they are (it deep-copies the rest)
+_SHARED_SET = frozenset({int, float, bool, type(None), str, tuple})
+#: items ``copy.deepcopy`` returns as they are (a container of only these
+#: needs no more than a shallow copy)
+_ATOMIC = frozenset({int, float, bool, type(None), str, type, types.FunctionType, types.BuiltinFunctionType})
+
+
+def _copy(value: Any) -> Any:
+    """``copy.deepcopy(value)``, as a shallow copy where that is the same
+    (a list, set or dict of atomic items: most mutable config values)."""
+    kind = type(value)
+    if kind in (list, set) and all(type(v) in _ATOMIC for v in value):
+        return kind(value)
+    if kind is dict and all(type(k) in _ATOMIC and type(v) in _ATOMIC for k, v in value.items()):
+        return dict(value)
+    return copy.deepcopy(value)
+
+
+class _ConfigRead:
+    """One read of a torch config module, for :meth:`_Saved.restore`.
+
+    ``get_config_copy()`` deep-copies every set, list and dict of the
+    module's 800-odd keys (about a millisecond for the three modules, twice
+    per compile). Where torch keeps a cached export of the module
+    (``_get_dict(readonly_values=True)``, torch >= 2.13: refreshed key by key
+    on ``setattr``, ``patch`` and ``delattr``), this read takes the shared
+    values from it (no copy; a change replaces the object, so ``is`` tells
+    unchanged values apart at once), and deep-copies only the mutable
+    values (about 30), read live: the export holds copies made when it was
+    filled, which miss a change made in place. Elsewhere, and for a
+    deprecated or deleted mutable key (reading it warns or raises),
+    ``get_config_copy()``.
+    """
+
+    def __init__(self, mod: Any) -> None:
+        self.mod = mod
+        self.mutable: dict[str, Any] = {}
+        export = _export(mod)
+        self.cached = export is not None
+        if export is not None:
+            for key in [k for k, v in export.items() if type(v) not in _SHARED_SET]:
+                live = _live(mod, key)
+                if live is _UNREADABLE:
+                    self.cached, self.mutable = False, {}
+                    break
+                self.mutable[key] = _copy(live)
+        self.export = export if self.cached else mod.get_config_copy()
+
+    def restore(self) -> None:
+        """Sets back every key whose value differs from this read's."""
+        mod = self.mod
+        now = _export(mod) if self.cached else None
+        if now is None:
+            now = mod.get_config_copy()  # not getattr: reading a deprecated key warns
+        if not _unchanged(now, self.export):  # one comparison in C, key by key only where one differs
+            self._restore_set(now)
+        for key, value in self.mutable.items():
+            if key in now and not _same(_live(mod, key), value):
+                setattr(mod, key, value)
+
+    def _restore_set(self, now: dict[str, Any]) -> None:
+        for key, value in self.export.items():
+            if key in self.mutable or key not in now:
+                continue
+            if now[key] is not value and not _same(now[key], value):
+                setattr(self.mod, key, value)
+
+
+_UNREADABLE = object()
+
+
+def _export(mod: Any) -> dict[str, Any] | None:
+    """``mod``'s cached export (a new dict; its values must not be changed),
+    or None where torch has none."""
+    try:
+        return mod._get_dict(readonly_values=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _live(mod: Any, key: str) -> Any:
+    """The object ``mod.<key>`` is now (the one a change in place changes),
+    or ``_UNREADABLE`` for a key whose read would warn (deprecated) or
+    raise (deleted)."""
+    entry = getattr(mod, "_config", {}).get(key)
+    if entry is None or getattr(entry, "deprecated", False):
+        return _UNREADABLE
+    try:
+        return getattr(mod, key)
+    except AttributeError:
+        return _UNREADABLE
+
+
+def _configs() -> list[_ConfigRead]:
+    return [_ConfigRead(mod) for mod in map(sys.modules.get, _CONFIGS) if mod is not None and hasattr(mod, "get_config_copy")]
+
+
+def _unchanged(now: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether two reads of a config hold equal values for every key."""
+    try:
+        return bool(now == saved)
+    except Exception:  # noqa: BLE001 - a value without a usable __eq__: compared key by key
+        return False
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -139,12 +237,8 @@ class _Saved:
             torch.set_autocast_cache_enabled(self.autocast_cache)
         if torch.get_float32_matmul_precision() != self.matmul:
             torch.set_float32_matmul_precision(self.matmul)
-        for name, saved in self.configs.items():
-            mod = sys.modules[name]
-            now = mod.get_config_copy()  # not getattr: reading a deprecated key warns
-            for key, value in saved.items():
-                if key in now and not _same(now[key], value):
-                    setattr(mod, key, value)
+        for read in self.configs:
+            read.restore()
 
 
 def _lazy_cuda_preserver(original: Any) -> Any:
@@ -210,8 +304,9 @@ def preserved() -> Iterator[None]:
     the module docstring) that the body changed, whether it returned or
     raised. For cagrad's own work only, never around code of the user's.
 
-    Costs about a millisecond (the config copies): it wraps compiles and
-    self-tests, never a cache hit.
+    Costs a few tenths of a millisecond (the config reads, see
+    :class:`_ConfigRead`; about two milliseconds where torch has no cached
+    config export): it wraps compiles and self-tests, never a cache hit.
     """
     saved = _Saved()
     try:

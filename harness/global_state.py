@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import operator
 import random
 import sys
 from typing import Any, Callable
@@ -99,34 +100,47 @@ def _text(value: Any) -> str:
 _PLAIN = (str, int, float, bool, type(None))
 
 
-def _config_values(mod: Any) -> dict[str, Any]:
-    """Every key of a torch config module with its current value, read
-    without deep copies where torch allows it.
+def _config(module_name: str) -> Callable[[], Any]:
+    """A reader of a torch config module's keys and values, as text.
 
     ``get_config_copy()`` deep-copies every mutable value (sets, lists,
     dicts: milliseconds a read). Where the module has torch's cached export
     (``_get_dict(readonly_values=True)``, torch >= 2.13: refreshed key by key
-    on ``setattr`` and ``patch``), its immutable values are taken from it,
-    and every other value is read live (``getattr``: the object itself,
-    so a set changed in place shows; the cache holds a copy made when it
-    was filled). Elsewhere ``get_config_copy()``.
+    on ``setattr`` and ``patch``), its plain values are taken from it, and
+    every other value is read live (``getattr``: the object itself, so a set
+    changed in place shows; the cache holds a copy made when it was filled).
+    A read whose plain values are the very objects of the last read, and
+    whose other values have the same text, returns the last read's text
+    (no repr and sort of the 800-odd keys). Elsewhere ``get_config_copy()``.
     """
-    try:
-        cached = mod._get_dict(readonly_values=True)
-    except (AttributeError, TypeError):
-        return mod.get_config_copy()
-    return {k: v if type(v) in _PLAIN else getattr(mod, k) for k, v in cached.items()}
+    #: the last read through torch's cached export: its keys, its plain
+    #: values (the objects), the texts of the others (read live), the text
+    last: list[Any] = [None, None, None, None]
 
-
-def _config(module_name: str) -> Callable[[], Any]:
     def read() -> Any:
         mod = sys.modules.get(module_name)
         if mod is None:
             return None  # not imported: not read (see the module docstring)
-        cfg = _config_values(mod)
-        # values are compared by their text: some are callables or objects
-        # without a useful __eq__; sorted so the text is stable
-        return tuple(sorted((k, repr(v) if type(v) in _PLAIN else _text(v)) for k, v in cfg.items()))
+        try:
+            cached = mod._get_dict(readonly_values=True)
+        except (AttributeError, TypeError):
+            cfg = mod.get_config_copy()
+            # values are compared by their text: some are callables or
+            # objects without a useful __eq__; sorted so the text is stable
+            return tuple(sorted((k, repr(v) if type(v) in _PLAIN else _text(v)) for k, v in cfg.items()))
+        keys = tuple(cached)
+        plain = [v for v in cached.values() if type(v) in _PLAIN]
+        live = {k: _text(getattr(mod, k)) for k, v in cached.items() if type(v) not in _PLAIN}
+        if (
+            keys == last[0]
+            and len(plain) == len(last[1])
+            and all(map(operator.is_, plain, last[1]))  # is, not ==: 1 == True, their texts differ
+            and live == last[2]
+        ):
+            return last[3]
+        text = tuple(sorted((k, repr(v) if type(v) in _PLAIN else live[k]) for k, v in cached.items()))
+        last[:] = [keys, plain, live, text]
+        return text
 
     return read
 

@@ -178,3 +178,27 @@ def test_config_reads_see_every_kind_of_change(how: str) -> None:
 
 def print_function_for_test() -> None:  # pragma: no cover - only its name is read
     pass
+
+
+def test_config_reads_reuse_the_last_text_only_for_the_same_objects() -> None:
+    """Two reads with nothing changed between them give the same text object
+    (no second repr and sort of the keys, where torch caches its export); a
+    value set to an equal one of another type (8 -> 8.0: ``==``, another
+    text) is still a difference."""
+    import torch._dynamo.config as cfg
+
+    from harness.global_state import FIELDS
+
+    read = FIELDS["dynamo_config"]
+    first = read()
+    if hasattr(cfg, "_get_dict") and "readonly_values" in cfg._get_dict.__code__.co_varnames:
+        assert read() is first
+    before = global_state.capture()
+    old = cfg.recompile_limit
+    cfg.recompile_limit = float(old)
+    try:
+        assert old == cfg.recompile_limit
+        assert [d.field for d in before.diff(global_state.capture())] == ["dynamo_config"]
+    finally:
+        cfg.recompile_limit = old
+    assert before.diff(global_state.capture()) == []
