@@ -350,3 +350,34 @@ def test_pure_hooks_are_accepted_with_fingerprints_that_follow_their_values():
     assert a == b != c
     assert fingerprint(_pure) is not None
     assert fingerprint(lambda g: torch.clamp(g, -1, 1)) != fingerprint(lambda g: torch.clamp(g, -2, 1))
+
+
+_FINGERPRINT_SCRIPT = """
+import torch
+from cagrad.hooks.hook_tracing import fingerprint
+scale = 2.5
+def hook(g, s=3):
+    return g * scale + torch.sin(g) * s
+print(fingerprint(hook).hex(), fingerprint(lambda g: g * 2).hex())
+"""
+
+
+def test_fingerprints_are_the_same_in_every_process():
+    """No address, id or hash seed reaches a fingerprint: two interpreters
+    with other hash seeds give the same bytes (golden snapshots store
+    fingerprints as tokens, so this is where their bytes are pinned)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _FINGERPRINT_SCRIPT], capture_output=True, text=True, check=True,
+            env=dict(os.environ, PYTHONPATH=root, PYTHONHASHSEED=seed),
+        ).stdout.split()
+        for seed in ("1", "2")
+    ]  # fmt: skip
+    assert runs[0] == runs[1] and len(runs[0]) == 2 and runs[0][0] != runs[0][1]
+    assert all(len(bytes.fromhex(fp)) == FINGERPRINT_BYTES for fp in runs[0])

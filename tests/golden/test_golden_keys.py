@@ -134,3 +134,27 @@ def test_normalize_strips_addresses_from_opaque_targets_and_constants():
     assert "0x?" in text
     assert not re.search(r"0x[0-9a-fA-F]{4,}", text)
     assert "# engine (no autograd_node)" in text
+
+
+def test_a_snapshot_pins_which_hooks_share_a_fingerprint_not_its_python_bytes(monkeypatch):
+    """A traced hook's fingerprint hashes its bytecode, which another Python
+    version compiles to other bytes: the snapshot of a scenario with three
+    traced hooks (three fingerprints) is the same when every fingerprint
+    changes as it would on another Python, and still tells the three apart."""
+    import hashlib
+
+    from cagrad.hooks import hook_tracing
+
+    name = "traced_hook_captured_values"
+    here = render(take(name))
+    original = hook_tracing.fingerprint
+
+    def other_python(hook):
+        fp = original(hook)
+        return None if fp is None else hashlib.sha256(b"another bytecode" + fp).digest()[: len(fp)]
+
+    monkeypatch.setattr(hook_tracing, "fingerprint", other_python)
+    there = render(take(name))
+    assert there == here
+    shown = set(re.findall(r"fingerprint = '([^']*)'", here))
+    assert len(shown) == 3, shown
