@@ -17,8 +17,9 @@ from rich.text import Text
 
 from .first import FirstCell, fresh_cache_dir, growth_exponent, measure_first
 from .measure import measure
+from .model_workloads import KNOWN, SIZES, build, default_size, unavailable
 from .subjects import SUBJECTS
-from .workloads import FAMILIES, STEADY, WORKLOADS
+from .workloads import FAMILIES, STEADY
 
 
 def _split(value: str, known: dict) -> list[str]:
@@ -39,7 +40,10 @@ FIRST_WORKLOADS = ",".join([*FAMILIES["transformer"], *FAMILIES["chain"], "mlp"]
 @click.option("--mode", type=click.Choice(["steady", "first"]), default="steady", show_default=True,
               help="steady: hit-path backward; first: the first backward of a new graph (capture + compile)")
 @click.option("--workloads", default=None, help=f"comma-separated; default steady: {','.join(STEADY)}; "
-              f"first: {FIRST_WORKLOADS}")
+              f"first: {FIRST_WORKLOADS}; on request: the others of {','.join(KNOWN)}")
+@click.option("--size", type=click.Choice(SIZES), default=None,
+              help="the model workloads' size (gpt2, llama; needs transformers); default full on cuda, small on "
+              "cpu; the other workloads size by --device alone")
 @click.option("--subjects", default=None, help=f"comma-separated; default steady: all but the ,dynamic ones (the reduce-overhead ones on CUDA only); first: {FIRST_SUBJECTS}")
 @click.option("--iters", default=30, show_default=True, help="steady: timed backwards per cell")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
@@ -50,20 +54,22 @@ FIRST_WORKLOADS = ",".join([*FAMILIES["transformer"], *FAMILIES["chain"], "mlp"]
               help="first: also run each cell again in a second process on the caches the first filled")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the cells here")
-def main(device: str, mode: str, workloads: str | None, subjects: str | None, iters: int, rounds: int,
-         warm: bool, threads: int | None, json_path: str | None) -> None:
+def main(device: str, mode: str, workloads: str | None, size: str | None, subjects: str | None, iters: int,
+         rounds: int, warm: bool, threads: int | None, json_path: str | None) -> None:
     """Backward timings side by side, one run: steady state (median ms per
     subject and workload, ratio to eager, cagrad's own overhead per node in
     us, peak CUDA memory in MiB, the backward's GPU kernel time in ms) or
     first backward (seconds, cagrad's split into trace and backend compile,
     inductor's compile_fx time for every subject, cold and warm start, and
-    the growth exponent of time against node count per workload family)."""
+    the growth exponent of time against node count per workload family).
+    A workload that cannot be built here (gpt2, llama without transformers)
+    is skipped with its reason, logged and written to the JSON."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: no CUDA device here")
     if threads:
         torch.set_num_threads(threads)
     first = mode == "first"
-    wl_names = _split(workloads or (FIRST_WORKLOADS if first else ",".join(STEADY)), WORKLOADS)
+    wl_names = _split(workloads or (FIRST_WORKLOADS if first else ",".join(STEADY)), KNOWN)
     steady = ",".join(n for n, s in SUBJECTS.items() if s.default and (device == "cuda" or not s.cuda_only))
     sub_names = _split(subjects or (FIRST_SUBJECTS if first else steady), SUBJECTS)
     console = Console(width=200)
@@ -71,24 +77,30 @@ def main(device: str, mode: str, workloads: str | None, subjects: str | None, it
             "threads": torch.get_num_threads()}
     if device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
+    skipped = {wl: reason for wl in wl_names if (reason := unavailable(wl))}
+    for wl, reason in skipped.items():
+        console.log(f"{wl}: skipped: {reason}", markup=False)
+    wl_names = [wl for wl in wl_names if wl not in skipped]
+    meta["size"] = size or default_size(device)
     if first:
-        doc = _first(console, device, wl_names, sub_names, warm, threads)
+        doc = _first(console, device, wl_names, sub_names, warm, threads, size)
     else:
         meta["iters"], meta["rounds"] = iters, rounds
-        doc = {"cells": _steady(console, device, wl_names, sub_names, iters, rounds)}
+        doc = {"cells": _steady(console, device, wl_names, sub_names, iters, rounds, size)}
+    doc["skipped"] = skipped
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"meta": meta, **doc}, f, indent=2)
 
 
 def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[str], iters: int,
-            rounds: int) -> dict:
+            rounds: int, size: str | None) -> dict:
     measured: dict[str, dict[str, list[dict]]] = {wl: {sub: [] for sub in sub_names} for wl in wl_names}
     for r in range(rounds):
         for wl in wl_names:
             for sub in sub_names:
                 torch.manual_seed(0)
-                cell = measure(WORKLOADS[wl](device), SUBJECTS[sub], device, iters)
+                cell = measure(build(wl, device, size), SUBJECTS[sub], device, iters)
                 measured[wl][sub].append(cell.__dict__)
                 at = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
                 console.log(f"{wl} / {sub}{at}: {cell.ms and round(cell.ms, 3)} ms {cell.error or ''}", markup=False)
@@ -195,15 +207,15 @@ def _peer(sub: str) -> str | None:
 
 
 def _first(console: Console, device: str, wl_names: list[str], sub_names: list[str], warm: bool,
-           threads: int | None) -> dict:
+           threads: int | None, size: str | None) -> dict:
     results: dict[str, dict[str, dict]] = {}
     for wl in wl_names:
         results[wl] = {}
         for sub in sub_names:
             cache = fresh_cache_dir()
             try:
-                cold = measure_first(wl, sub, device, cache, threads)
-                hot = measure_first(wl, sub, device, cache, threads) if warm else FirstCell()
+                cold = measure_first(wl, sub, device, cache, threads, size)
+                hot = measure_first(wl, sub, device, cache, threads, size) if warm else FirstCell()
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
             results[wl][sub] = {"cold": cold.__dict__, "warm": hot.__dict__}

@@ -58,12 +58,14 @@ class FirstCell:
     error: str | None = None
 
 
-def measure_first(workload: str, subject: str, device: str, cache_dir: str, threads: int | None) -> FirstCell:
-    """Runs one cell in a fresh process with ``cache_dir`` as its disk caches."""
+def measure_first(workload: str, subject: str, device: str, cache_dir: str, threads: int | None,
+                  size: str | None = None) -> FirstCell:
+    """Runs one cell in a fresh process with ``cache_dir`` as its disk caches
+    (``size``: the model workloads' size, :mod:`harness.bench.model_workloads`)."""
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
     env["CAGRAD_CACHE_DIR"] = os.path.join(cache_dir, "cagrad")
-    cell = {"workload": workload, "subject": subject, "device": device, "threads": threads}
+    cell = {"workload": workload, "subject": subject, "device": device, "threads": threads, "size": size}
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "harness.bench.first", json.dumps(cell)],
@@ -110,8 +112,8 @@ def _child(cell: dict[str, Any]) -> FirstCell:
     from cagrad import events
     from cagrad.autograd.graph_task import GraphTask
 
+    from .model_workloads import build
     from .subjects import SUBJECTS, backward_in
-    from .workloads import WORKLOADS
 
     if cell.get("threads"):
         torch.set_num_threads(cell["threads"])
@@ -121,7 +123,7 @@ def _child(cell: dict[str, Any]) -> FirstCell:
     warm = torch.nn.Linear(3, 2).to(device)
     backward_in(subject, warm(torch.randn(4, 3, device=device)).sum())  # imports, backend start-up
     torch.manual_seed(0)
-    workload = WORKLOADS[cell["workload"]](device)
+    workload = build(cell["workload"], device, cell.get("size"))
     model = subject.wrap(workload.model)
     out = FirstCell(nodes=len(GraphTask([workload.step(model)], [], True).order))
     captures: list[Any] = []

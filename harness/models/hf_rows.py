@@ -50,32 +50,41 @@ def _causal_lm(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
     return Setup(model, _adamw(model), loss)
 
 
-def _gpt2(device: torch.device):
+#: The rows' GPT-2 and LLaMA configs (``GPT2Config`` / ``LlamaConfig``
+#: keyword arguments); ``harness.bench``'s model workloads build their tiny
+#: size from them too.
+GPT2_CONFIG = dict(vocab_size=VOCAB, n_positions=SEQ * 4, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS)
+LLAMA_CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=2 * HIDDEN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=HEADS // 2,
+    max_position_embeddings=SEQ * 4,
+    attention_dropout=0.1,
+)
+
+
+def gpt2_model(config: dict) -> torch.nn.Module:
+    """``GPT2LMHeadModel(GPT2Config(**config))``: random weights, torch's default
+    dtype, on the CPU. Raises ImportError without transformers."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ * 4, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS)
-    return GPT2LMHeadModel(cfg)
+    return GPT2LMHeadModel(GPT2Config(**config))
 
 
-def _llama(device: torch.device):
+def llama_model(config: dict) -> torch.nn.Module:
+    """``LlamaForCausalLM(LlamaConfig(**config))``: random weights, torch's
+    default dtype, on the CPU. Raises ImportError without transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS // 2,
-        max_position_embeddings=SEQ * 4,
-        attention_dropout=0.1,
-    )
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(LlamaConfig(**config))
 
 
 @row("gpt2", "transformers", "GPT2LMHeadModel, 2 layers, float64, dropout 0.1, AdamW; 3 steps")
 def gpt2(device: torch.device) -> Setup:
-    return _causal_lm(_gpt2(device), device, F64)
+    return _causal_lm(gpt2_model(GPT2_CONFIG), device, F64)
 
 
 @row(
@@ -85,7 +94,7 @@ def gpt2(device: torch.device) -> Setup:
     "AOTAutograd's CompiledFunctionBackward; 3 steps",
 )
 def gpt2_compiled_forward(device: torch.device) -> Setup:
-    model = _gpt2(device)
+    model = gpt2_model(GPT2_CONFIG)
     compiled = torch.compile(model, backend="aot_eager")
     return _causal_lm(model, device, F64, forward=compiled)
 
@@ -124,11 +133,11 @@ def bert_mlm(device: torch.device) -> Setup:
     "llama", "transformers", "LlamaForCausalLM, 2 layers, GQA (4 heads, 2 KV), float64, attention dropout 0.1; 3 steps"
 )
 def llama(device: torch.device) -> Setup:
-    return _causal_lm(_llama(device), device, F64)
+    return _causal_lm(llama_model(LLAMA_CONFIG), device, F64)
 
 
 def _checkpointed_llama(device: torch.device, reentrant: bool) -> Setup:
-    model = _llama(device)
+    model = llama_model(LLAMA_CONFIG)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return _causal_lm(model, device, F64)
 
