@@ -126,6 +126,13 @@ class Traced:
             position order (see :func:`runtime_objects`).
         shape_env: the trace's ShapeEnv (None when every size is static); a
             backend compiling the graph directly adds its guards to it.
+        output_specs: None where every output is plain; else, per output
+            (``leaf_outputs`` and ``capture_outputs`` count these), the
+            :class:`~cagrad.keys.subclasses.SubclassSpec` of a tensor
+            subclass the graph returns as its inner tensors, or None: the
+            runtime rebuilds the subclass before anything reads the outputs
+            (:func:`cagrad.keys.subclasses.rebuild`), and ``aliases_input``
+            is per graph output (flat).
     """
 
     graph_module: torch.fx.GraphModule
@@ -141,12 +148,6 @@ class Traced:
     force_opaque: frozenset[int]
     shape_env: Any = None
     output_specs: list[Any] | None = None
-
-    # output_specs: where a graph output is a tensor subclass (a subclass
-    # leaf's gradient), the graph returns its inner tensors and this holds,
-    # per output, its SubclassSpec (or None for a plain one); the runtime
-    # rebuilds the subclass (cagrad.keys.subclasses.rebuild) before anything
-    # reads the outputs. None where every output is plain.
 
     @property
     def has_opaque_calls(self) -> bool:
