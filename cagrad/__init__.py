@@ -33,6 +33,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``keys.cache``                  CacheNode trie, compiled entries, fallback verdicts
 ``keys.hit_path``               generated hit guards (the cache-hit path)
 ``keys.leaf_hooks``              guards of graphs whose only hooks are C++ post hooks on leaves
+``keys.subclasses``             tensor subclasses: keyed, lifted flattened, rebuilt
 ``capture/`` (trace)
 ``capture.compiler``            AutogradCompilerInstance: the trace
 ``capture.runtime_ops``         opaque calls: hooks, opaque nodes, AccumulateGrad

@@ -822,6 +822,10 @@ def _capture(
     stored, other_sizes = disk.load(collected, compiler_fn, dynamic) if disk is not None else (None, False)
     marked = collected.collector.marked_dynamic_slots()
     dynamic_slots = _dynamic_slots(node, sizes, dynamic, other_sizes, marked)
+    if dynamic_slots and collected.collector.has_subclass:
+        # a subclass is traced with static sizes (cagrad.keys.subclasses):
+        # other sizes make another static variant
+        dynamic_slots = frozenset()
     try:
         traced = stored if stored is not None else trace_with_retries(collected, node, dynamic_slots)
         check_graph(compiler_fn, traced.graph_module)

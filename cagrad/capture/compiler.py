@@ -60,6 +60,7 @@ from ..autograd.validate import validate_outputs
 from ..autograd.walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, Layout, NodePlan, Obj, ResumePoint
 from ..counters import counters
 from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
+from ..keys import subclasses
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
 from . import runtime_ops, shape_env
@@ -125,6 +126,13 @@ class Traced:
             position order (see :func:`runtime_objects`).
         shape_env: the trace's ShapeEnv (None when every size is static); a
             backend compiling the graph directly adds its guards to it.
+        output_specs: None where every output is plain; else, per output
+            (``leaf_outputs`` and ``capture_outputs`` count these), the
+            :class:`~cagrad.keys.subclasses.SubclassSpec` of a tensor
+            subclass the graph returns as its inner tensors, or None: the
+            runtime rebuilds the subclass before anything reads the outputs
+            (:func:`cagrad.keys.subclasses.rebuild`), and ``aliases_input``
+            is per graph output (flat).
     """
 
     graph_module: torch.fx.GraphModule
@@ -139,6 +147,7 @@ class Traced:
     plans: list[Any]
     force_opaque: frozenset[int]
     shape_env: Any = None
+    output_specs: list[Any] | None = None
 
     @property
     def has_opaque_calls(self) -> bool:
@@ -418,6 +427,10 @@ class AutogradCompilerInstance:
 
     # -- helpers ------------------------------------------------------------
     def _proxy(self, t: torch.Tensor) -> torch.fx.Proxy:
+        if subclasses.is_wrapper_subclass(t):
+            # a subclass value has no proxy of its own (its inner tensors do):
+            # it cannot be an opaque call's argument
+            raise Unsupported("tensor_subclass", f"a {type(t).__name__} passed to a call the graph does not trace")
         return fetch_object_proxy(self.tracer, t).proxy
 
     def _name(self, t: Any) -> str | None:
@@ -708,17 +721,18 @@ class AutogradCompilerInstance:
                 tracer=tracer,
             )
         real = self.args.tensors
+        subclass = self.collector.has_subclass
+        if subclass:
+            _check_subclass_capture(self.symbolic)
         with self.fake_mode:
             handed_out: set[int] = set()
             fakes = [self._lifted_fake(i, t, handed_out) for i, t in enumerate(real)]
         track_tensor_tree(
             fakes, [inputs_proxy[i] for i in range(len(fakes))], constant=None, tracer=tracer
         )
-        swapped = [
-            (saved_variables.holder(slot), f)
-            for slot, f in zip(self.args.slots, fakes)
-            if slot is not None
-        ]
+        with self.fake_mode:
+            lifted = subclasses.unflatten(self.args.groups, self.args.slots, fakes)
+        swapped = [(saved_variables.holder(slot), f) for slot, f in lifted if slot is not None]
         walk = BackwardWalk(self.task, self.plans, self, self.accumulate_at_end, self.profile)
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
@@ -727,7 +741,7 @@ class AutogradCompilerInstance:
             stack.enter_context(
                 SwapSavedVariables([h for h, _ in swapped], [f for _, f in swapped])
             )
-            walk.start(fakes[: self.num_roots])
+            walk.start([f for _, f in lifted[: self.num_roots]])
             walk.run()
         if self.shape_env is not None:
             self.shape_env.forget_probe()
@@ -746,6 +760,14 @@ class AutogradCompilerInstance:
             else:
                 capture_outputs.append(len(outputs))
                 outputs.append(g)
+        output_specs = None
+        if subclass:
+            _check_no_opaque_calls(tracer.graph)
+            flat: list[torch.Tensor] = []
+            output_specs = [subclasses.flatten(o, "a gradient the graph returns", flat) for o in outputs]
+            outputs = flat
+            if not any(output_specs):
+                output_specs = None
         tracer.create_node(
             "output", "output", (tracer.create_arg([self._proxy(o) for o in outputs]),), {}
         )
@@ -764,6 +786,7 @@ class AutogradCompilerInstance:
             self.plans,
             self.force_opaque,
             self.shape_env,
+            output_specs,
         )
 
     def _size_check(self, used_sizes: list[int]) -> tuple[SizeCheck, list[Any], Any]:
@@ -843,6 +866,27 @@ class AutogradCompilerInstance:
                 if user.op == "call_function" and user.target is torch.ops.aten.detach.default:
                     user.replace_all_uses_with(read)
                     graph.erase_node(user)
+
+
+def _check_subclass_capture(symbolic: bool) -> None:
+    """What a backward with a tensor subclass does not compile (see
+    :mod:`cagrad.keys.subclasses`)."""
+    if run_context.create_graph():
+        raise Unsupported(
+            "tensor_subclass",
+            "create_graph=True with a tensor subclass (a rebuilt subclass gradient has no graph)",
+        )
+    if symbolic:
+        raise Unsupported("tensor_subclass", "dynamic sizes in a backward with a tensor subclass")
+
+
+def _check_no_opaque_calls(graph: torch.fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in OPAQUE_TARGETS:
+            raise Unsupported(
+                "tensor_subclass",
+                f"a tensor subclass in a backward with opaque calls ({node.meta.get('autograd_node', node.name)})",
+            )
 
 
 def _prune(graph: torch.fx.Graph, placeholder: str) -> list[int]:

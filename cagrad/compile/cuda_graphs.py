@@ -151,6 +151,8 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
         return "create_graph"
     if traced.has_opaque_calls:
         return "opaque_segments"
+    if traced.output_specs is not None:
+        return "tensor_subclass"  # outputs rebuilt into a subclass are never borrowed
     return None
 
 

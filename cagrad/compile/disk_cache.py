@@ -222,6 +222,8 @@ def collected_reason(collected: Any, compiler_fn: Any) -> str | None:
     collector = collected.collector
     if collector.needs_host:
         return "cpp_hooks"
+    if collector.has_subclass:
+        return "tensor_subclass"  # the graph data holds no subclass specs
     foreign = collector.census.claim_slots  # pack hooks were pushed at some point
     for call, plan in zip(collected.task.order, collector.plans):
         if plan.kind not in _KINDS:

@@ -50,6 +50,7 @@ from ..hooks import hook_tracing
 from ..hooks.hooks_census import Census, FoundHooks
 from .cache_key import CacheKey, KeyWriter
 from .sizes import SizeInputs
+from .subclasses import SubclassSpec, flatten, write_subclass
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -68,23 +69,37 @@ class TensorArgs:
     ``slots[i]`` the saved-tensor slot it was read from (``None`` for root
     gradients): a trace swaps it for its fake, and a backward without
     ``retain_graph`` releases it.
+
+    A tensor subclass is lifted as its inner tensors, flattened
+    (:mod:`cagrad.keys.subclasses`): ``groups`` holds ``(index of its first
+    inner tensor, its spec)``; each inner tensor repeats the subclass's slot
+    and has no geometry (-1: a subclass's sizes stay static).
     """
 
-    __slots__ = ("tensors", "slots", "geometry")
+    __slots__ = ("tensors", "slots", "geometry", "groups")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.slots: list[Slot | None] = []
         self.geometry: list[int] = []  # first size slot of each tensor's shape
+        self.groups: list[tuple[int, SubclassSpec]] = []
 
-    def add(self, t: torch.Tensor, slot: Slot | None, geometry: int) -> int:
+    def add(self, t: torch.Tensor, slot: Slot | None, geometry: int) -> None:
+        if type(t) not in _PLAIN_TENSOR_TYPES:
+            flat: list[torch.Tensor] = []
+            spec = flatten(t, "a lifted tensor", flat)
+            if spec is not None:
+                self.groups.append((len(self.tensors), spec))
+                self.tensors.extend(flat)
+                self.slots.extend([slot] * len(flat))
+                self.geometry.extend([-1] * len(flat))
+                return
         self.tensors.append(t)
         self.slots.append(slot)
         self.geometry.append(geometry)
-        return len(self.tensors) - 1
 
 
-def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs) -> int:
+def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs, dynamic_ok: bool = True) -> int:
     """Tensor metadata that specializes a traced graph.
 
     The key gets dtype, device, requires_grad, the number of dimensions and
@@ -95,12 +110,23 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs) ->
         the first size slot: ``ndim`` sizes, then ``ndim`` strides, then the
         storage offset.
 
+    A traceable wrapper subclass (``TwoTensor``) is keyed by
+    :func:`cagrad.keys.subclasses.write_subclass`: its class, flatten
+    metadata and outer metadata, then each inner tensor as here; all of its
+    size slots (``dynamic_ok`` False) stay static.
+
     Raises:
-        Unsupported: sparse/mkldnn/nested layouts, tensor subclasses, and
-            tensors a functorch transform wrapped (``functorch_transform``).
+        Unsupported: sparse/mkldnn/nested layouts, tensor subclasses that
+            are not traceable wrapper subclasses or whose metadata cannot be
+            keyed, and tensors a functorch transform wrapped
+            (``functorch_transform``).
     """
     if type(t) not in _PLAIN_TENSOR_TYPES:
-        raise Unsupported("tensor_subclass", f"{what} is a {type(t).__name__}")
+        transforms.check_tensor(t, what)
+        geometry = write_subclass(
+            w, t, what, lambda w_, inner, what_: write_tensor(w_, inner, what_, sizes, False)
+        )
+        return sizes.add(geometry, False, what)
     transforms.check_tensor(t, what)
     if t.layout is not _STRIDED:
         raise Unsupported("non_strided_tensor", f"{what} has layout {t.layout}")
@@ -109,7 +135,7 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs) ->
     w.device(t.device)
     shape = t.shape
     w.size(len(shape))
-    start = sizes.add((*shape, *t.stride(), t.storage_offset()), True, what)
+    start = sizes.add((*shape, *t.stride(), t.storage_offset()), dynamic_ok, what)
     if t.is_complex():
         w.value((t.is_conj(), t.is_neg()))
     return start
@@ -193,11 +219,18 @@ class Collector:
         geometry = self.args.geometry
         pairs = [*zip(self.args.tensors, geometry), *self.leaves]
         for t, start in pairs:
+            if start < 0 or type(t) not in _PLAIN_TENSOR_TYPES:
+                continue  # a subclass or its inner tensors: static
             dims = getattr(t, "_dynamo_dynamic_indices", None)
             if dims:
                 ndim = t.dim()
                 found.extend(start + d for d in dims if isinstance(d, int) and 0 <= d < ndim)
         return sorted(set(found))
+
+    @property
+    def has_subclass(self) -> bool:
+        """Some lifted tensor or accumulated leaf is a tensor subclass."""
+        return bool(self.args.groups) or any(type(v) not in _PLAIN_TENSOR_TYPES for v, _ in self.leaves)
 
     def obj(self, o: Any) -> int:
         self.objects.append(o)

@@ -208,6 +208,10 @@ def _ineligible(collected: Any, call: Any) -> str | None:
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             return "a leaf root"
     # node kinds and hooks: leaf_hooks.plan, which build() asks next
+    if collector.has_subclass:
+        # a guard reads plain tensors' metadata; the full collection keys a
+        # subclass (cagrad.keys.subclasses)
+        return "a tensor subclass"
     if any(t.is_complex() for t in collector.args.tensors):
         return "a complex tensor"
     for call_, plan in zip(task.order, collector.plans):

@@ -29,6 +29,7 @@ from ..capture.shells import shells
 from ..capture.compiler import NON_STRIDED, dimension_order, runtime_objects
 from ..compile.cuda_graphs import BorrowedOutputs
 from ..counters import counters
+from ..keys import subclasses
 from . import interpreter
 
 log = logging.getLogger("cagrad")
@@ -83,6 +84,8 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
         accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), never)
         return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
     stealable = stealable_outputs(outs, traced.aliases_input)
+    if traced.output_specs is not None:
+        outs, stealable = subclasses.rebuild(traced.output_specs, outs, stealable)
     accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 
