@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from .keys.cache import CacheNode
 from .keys.cache_key import CacheKey
