@@ -507,3 +507,34 @@ def test_fingerprint():
     once = OnceDiff.apply(x).grad_fn
     assert backward_tracing.fingerprint(once, False) is not None
     assert backward_tracing.fingerprint(once, True) is None
+
+
+def test_changing_batch_sizes_with_materialized_zeros():
+    """Sizes change every step (a dynamic capture after the first): the
+    materialized zeros of the unused and non-differentiable outputs follow."""
+    sizes = [3, 4, 5, 6]
+
+    def fn(x, w, step):
+        a = (x * w).expand(sizes[step], 4, 3).reshape(-1, 3)
+        return Materialized.apply(a)[0].sum() + Cube.apply(a.cos()).sum()
+
+    rec = _check(fn, steps=4)
+    # a static capture, then one with dynamic sizes that the last two hit
+    assert cagrad.counters["captures"] == 2 and cagrad.counters["cache_hits"] == 2
+    assert cagrad.counters["recompiles_shape"] == 1
+    assert cagrad.counters["nodes_forced_opaque"] == 0
+    _whole(rec)
+
+
+def test_traced_tensor_hook_beside_a_traced_function_is_one_graph():
+    """A traced custom Function is no user code: a pure tensor hook in the
+    same backward is traced too."""
+
+    def fn(x, w, step):
+        y = Scaled.apply(x.exp(), 1.5, w)
+        y.register_hook(lambda g: g * 3)
+        return y.sum()
+
+    rec = _check(fn)
+    assert cagrad.counters["hooks_traced"] == 1 and cagrad.counters["custom_functions_traced"] == 1
+    _whole(rec)
