@@ -448,19 +448,21 @@ class Collector:
 
     def _write_custom_function(self, w: KeyWriter, call: NodeCall, plan: NodePlan) -> None:
         """A custom Function run by PyNode's steps: opaque (``o``: its
-        backward is not traceable, or user code ran before it), or traced
+        backward is not traceable, or user code ran before this node; ``O``:
+        its own pre-hooks run user code), or traced
         (``T`` and its :func:`~cagrad.hooks.backward_tracing.fingerprint`,
         its forward outputs and its saved tensors, lifted) where no code of
         the user's runs before it in this backward, its own pre-hooks
         included: such code could change what the fingerprint read."""
         node = call.node
         fp = self._custom_fp.pop(call.id, None)
-        if fp is not None and self._user_code_before_apply:
-            plan.node = self.obj(node)  # after its hooks' objects
-            self.user_code = self.any_opaque = True
-            fp = None
-        if fp is None:
-            w.tag(b"o")
+        if fp is None or self._user_code_before_apply:
+            if fp is None:
+                w.tag(b"o")  # its object was added in _plan, before its hooks'
+            else:
+                w.tag(b"O")  # (a distinct tag: its object follows its hooks')
+                plan.node = self.obj(node)
+                self.user_code = self.any_opaque = True
             self._write_custom(w, node, plan.record)
             self.releases.append(call)
             return

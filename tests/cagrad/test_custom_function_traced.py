@@ -538,3 +538,30 @@ def test_traced_tensor_hook_beside_a_traced_function_is_one_graph():
     rec = _check(fn)
     assert cagrad.counters["hooks_traced"] == 1 and cagrad.counters["custom_functions_traced"] == 1
     _whole(rec)
+
+
+def test_opaque_after_own_pre_hook_is_keyed_apart_from_untraceable():
+    """The same Function with a node pre-hook, its backward traceable at
+    step 0 (opaque because of the hook, its node listed after the hook)
+    and not at step 1 (its node listed first): two keys, two captures."""
+
+    class Flip(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+    def traceable(ctx, g):
+        return g * 2
+
+    def untraceable(ctx, g):
+        CALLS.append(1)
+        return g * 2
+
+    def fn(x, w, step):
+        Flip.backward = staticmethod(traceable if step == 0 else untraceable)
+        y = Flip.apply(x * w)
+        y.grad_fn.register_prehook(lambda grads: (grads[0] * 3,))
+        return y.sum()
+
+    _check(fn, steps=2)
+    assert cagrad.counters["captures"] == 2
