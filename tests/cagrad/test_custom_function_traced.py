@@ -214,6 +214,16 @@ class TensorOnCtx(torch.autograd.Function):
         return g * ctx.w
 
 
+class Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 class Raises(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -251,6 +261,8 @@ def _check(fn, steps: int = 3, create_graph: bool = False) -> Recorder:
     for (ex, ew), (ax, aw) in zip(expected, actual):
         same(ex, ax)
         same(ew, aw)
+        for e, a in ((ex, ax), (ew, aw)):
+            assert e is None or e.stride() == a.stride()  # .grad layout as eager's
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     return rec
 
@@ -565,3 +577,12 @@ def test_opaque_after_own_pre_hook_is_keyed_apart_from_untraceable():
 
     _check(fn, steps=2)
     assert cagrad.counters["captures"] == 2
+
+
+def test_returned_incoming_gradient_reaches_grad_in_eager_layout():
+    """The backward hands its (transposed) incoming gradient on as it is:
+    ``.grad`` gets eager's values and strides."""
+    c = torch.randn(3, 4)
+    rec = _check(lambda x, w, step: (Identity.apply(x).t() * c).sum() + (w * 2).sum())
+    assert cagrad.counters["custom_functions_traced"] == 1
+    _whole(rec)
