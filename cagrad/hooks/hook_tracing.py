@@ -39,9 +39,13 @@ a hook recreated every step (``t.register_hook(lambda g: g * s)``) keeps
 hitting while a changed ``s`` recaptures. It depends on the Python version
 (bytecode) but on no address or hash seed, so keys stay deterministic.
 
+The checker (:func:`analyze`, :func:`outside_texts`, :func:`digest`) is
+shared with :mod:`cagrad.hooks.backward_tracing`, which applies it to custom
+``autograd.Function`` backwards.
+
 A backward's hooks are traced only when no other code of the user's runs
 during it (no node pre-/post-hooks, post-accumulate-grad hooks, custom
-Functions, nodes run as they are or untraceable tensor hooks): such code
+Functions run opaque, nodes run as they are or untraceable tensor hooks): such code
 could change a hook dict after the key was read
 (:meth:`cagrad.keys.compiled_node_args.Collector.finish`).
 """

@@ -19,7 +19,9 @@ Per node the key holds, in order:
    in name order, and for every saved tensor (and element of a saved tensor
    list): defined or not, and its metadata (requires_grad, dtype, device,
    layout, number of dimensions, conjugate/negative bits for complex
-   dtypes);
+   dtypes); for a custom Function, whether its backward is traced and then
+   its fingerprint (:mod:`cagrad.hooks.backward_tracing`), forward outputs
+   and saved tensors;
 4. for every edge: invalid, or the target's discovery id, input number and
    the target's input metadata there (dtype, device, number of dimensions).
    This also covers the hidden fields of the ``edge`` policy (see
@@ -156,8 +158,10 @@ class Collector:
         any_opaque: some node has hooks that are not traced or runs
             opaque, so leaves are accumulated in order inside the graph.
         user_code: some code of the user's runs during the backward besides
-            traceable tensor hooks (hooks of other kinds or not traceable,
-            custom Functions, nodes run as they are).
+            traceable tensor hooks and traced custom Function backwards
+            (hooks of other kinds or not traceable, custom Functions run
+            opaque, nodes run as they are). A custom Function is traced only
+            while it is False up to that node's own pre-hooks.
         traced_hooks: object indices of the tensor hook dicts whose hooks are
             traced into the graph (set by :meth:`finish`).
         needs_host: some hook was added from C++ and may queue a callback
