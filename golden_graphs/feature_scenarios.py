@@ -101,6 +101,21 @@ class _ScaleOnce(torch.autograd.Function):
         return g * ctx.k, None
 
 
+_SCALE_CALLS: list[int] = []
+
+
+class _ScaleOpaque(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: float) -> torch.Tensor:
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _SCALE_CALLS.append(1)  # a side effect: the backward runs opaque
+        return g * ctx.k, None
+
+
 @scenario
 def custom_function_once_differentiable() -> Backward:
     """a @once_differentiable custom Function with a non-tensor input: is_variable_input (True, False)."""
@@ -225,12 +240,12 @@ def grad_already_set() -> Backward:
 
 @scenario
 def segmented_opaque_calls() -> Backward:
-    """traced ops between a node post hook, a custom Function and a sparse-grad opaque node: the segment cuts."""
+    """traced ops between a node post hook, an opaque custom Function and a sparse-grad opaque node: the segment cuts."""
     emb = torch.nn.Embedding(6, 3, sparse=True)
     x = leaf(2, 3)
     h = x.exp()
     h.grad_fn.register_hook(_noop)
-    y = _ScaleOnce.apply(h.sin(), 0.5)
+    y = _ScaleOpaque.apply(h.sin(), 0.5)
     e = emb(torch.tensor([1, 4]))
     return Backward((y.cos() * e).sum())
 

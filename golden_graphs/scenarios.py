@@ -271,9 +271,32 @@ class _Cube(torch.autograd.Function):
 
 @scenario
 def custom_function() -> Backward:
-    """a custom autograd.Function between traced nodes: called as PyNode would."""
+    """a custom autograd.Function between traced nodes: its backward traced with PyNode's steps."""
     x = leaf(2, 3)
     return Backward(_Cube.apply(x.tanh()).sum())
+
+
+_CUBE_CALLS: list[int] = []
+
+
+class _CountedCube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        _CUBE_CALLS.append(1)  # a side effect: the backward runs opaque
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+@scenario
+def custom_function_opaque() -> Backward:
+    """a custom autograd.Function whose backward has a side effect: called as PyNode would."""
+    x = leaf(2, 3)
+    return Backward(_CountedCube.apply(x.tanh()).sum())
 
 
 @scenario

@@ -50,6 +50,7 @@ class Kind(enum.Enum):
     OPAQUE = "opaque"  # a C++ node called as it is, at run time
     CUSTOM = "custom"  # a custom autograd.Function, called as PyNode would
     AOT = "aot"  # a torch.compile'd forward's backward, its graph inlined
+    CUSTOM_TRACED = "custom_traced"  # a custom autograd.Function, its backward traced
     ACCUMULATE = "accumulate"  # AccumulateGrad
 
 
@@ -170,6 +171,11 @@ class Executor(Protocol):
 
     def apply_aot(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
         """An AOTAutograd backward, PyNode semantics and validation included."""
+        ...
+
+    def apply_custom(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
+        """A custom Function's backward (:mod:`cagrad.hooks.backward_tracing`),
+        PyNode semantics and validation included."""
         ...
 
     def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
@@ -328,6 +334,8 @@ class BackwardWalk:
             return self.ex.validate(call.name, call.edges, outs, name)
         if kind is Kind.AOT:
             return self.ex.apply_aot(pos, call, plan, inputs)
+        if kind is Kind.CUSTOM_TRACED:
+            return self.ex.apply_custom(pos, call, plan, inputs)
         # opaque and custom nodes: run for real; the trace assumes a defined
         # gradient on every edge whose target runs, and hands what the node
         # returned for other edges to its post-hooks as it is

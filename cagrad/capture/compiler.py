@@ -60,6 +60,7 @@ from ..autograd.validate import validate_outputs
 from ..autograd.walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, Layout, NodePlan, Obj, ResumePoint
 from ..counters import counters
 from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
+from ..hooks import backward_tracing
 from ..keys import subclasses
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
@@ -170,7 +171,7 @@ def _forced_plans(
     index = len(collector.objects)
     for pos in sorted(force_opaque):
         plan = plans[pos]
-        if plan.kind in (Kind.AOT, Kind.CUSTOM):
+        if plan.kind in (Kind.AOT, Kind.CUSTOM, Kind.CUSTOM_TRACED):
             plans[pos] = NodePlan(Kind.CUSTOM, plan.hooks, node=index, record=plan.record)
         else:
             plans[pos] = NodePlan(Kind.OPAQUE, plan.hooks, node=index)
@@ -580,16 +581,11 @@ class AutogradCompilerInstance:
             saved = list(node.saved_tensors)
             return run_aot_backward(info, saved, list(symints), args, call_hook)
 
-        def output_shape(i: int) -> Sequence[Any]:
-            start = self.collector.output_slots.get((call.id, i))
-            if start is None:
-                return self.metadata(node, i)[0]
-            return self.slot_values[start : start + len(plan.record.outputs[i].shape)]
-
         marker = self._last_node()
         try:
             outs = custom_function.apply(
-                node, plan.record, call.edges, inputs, backward, self.metadata, output_shape
+                node, plan.record, call.edges, inputs, backward, self.metadata,
+                self._output_shape(call, plan),
             )
         except Unsupported:
             raise
@@ -597,6 +593,49 @@ class AutogradCompilerInstance:
             raise NodeTraceFailed(f"trace_failed:{call.name}", f"{type(e).__name__}: {e}", pos) from e
         self._tag_since(marker, origin)
         return outs
+
+    def apply_custom(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
+        """Traces a custom Function's backward (accepted by
+        :mod:`cagrad.hooks.backward_tracing`) inside PyNode's steps: its
+        ``ctx.saved_tensors`` unpack to their fakes (the swap), and what it
+        reads of the ctx is in the key. Any failure (a value read, an op
+        without a fake kernel, an error eager would raise) makes the node
+        run as it is in the next try (:class:`NodeTraceFailed`)."""
+        node = call.node
+        origin = f"{call.name} (NodeCall {pos})"
+        fn = backward_tracing.user_backward(node, run_context.create_graph())
+
+        def backward(args: list) -> Any:
+            if fn is None:  # (the key said traceable: not reached)
+                raise RuntimeError("the backward is no longer traceable")
+            return fn(node, *args)
+
+        marker = self._last_node()
+        try:
+            outs = custom_function.apply(
+                node, plan.record, call.edges, inputs, backward, self.metadata,
+                self._output_shape(call, plan),
+            )
+        except Unsupported:
+            raise
+        except Exception as e:
+            raise NodeTraceFailed(f"trace_failed:{call.name}", f"{type(e).__name__}: {e}", pos) from e
+        self._tag_since(marker, origin)
+        counters.bump("custom_functions_traced")
+        return outs
+
+    def _output_shape(self, call: NodeCall, plan: NodePlan) -> Any:
+        """Forward output ``i``'s shape for its materialized zero gradient:
+        its size slots where the key has them (see
+        :meth:`Collector.write_outputs`), else the target's metadata."""
+
+        def output_shape(i: int) -> Sequence[Any]:
+            start = self.collector.output_slots.get((call.id, i))
+            if start is None:
+                return self.metadata(call.node, i)[0]
+            return self.slot_values[start : start + len(plan.record.outputs[i].shape)]
+
+        return output_shape
 
     def _arg(self, a: Any) -> Any:
         if isinstance(a, Obj):

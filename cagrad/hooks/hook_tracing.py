@@ -39,9 +39,13 @@ a hook recreated every step (``t.register_hook(lambda g: g * s)``) keeps
 hitting while a changed ``s`` recaptures. It depends on the Python version
 (bytecode) but on no address or hash seed, so keys stay deterministic.
 
+The checker (:func:`analyze`, :func:`outside_texts`, :func:`digest`) is
+shared with :mod:`cagrad.hooks.backward_tracing`, which applies it to custom
+``autograd.Function`` backwards.
+
 A backward's hooks are traced only when no other code of the user's runs
 during it (no node pre-/post-hooks, post-accumulate-grad hooks, custom
-Functions, nodes run as they are or untraceable tensor hooks): such code
+Functions run opaque, nodes run as they are or untraceable tensor hooks): such code
 could change a hook dict after the key was read
 (:meth:`cagrad.keys.compiled_node_args.Collector.finish`).
 """
@@ -56,7 +60,7 @@ import math
 import operator
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional
@@ -130,8 +134,24 @@ _REJECTED_FLAGS = (
     | inspect.CO_ITERABLE_COROUTINE
 )
 
-# code object -> (digest of the code, names it reads as globals) or None
-_CODE: dict[types.CodeType, tuple[bytes, tuple[str, ...]] | None] = {}
+
+
+class Static(NamedTuple):
+    """What a function's code alone says (see :func:`analyze`).
+
+    Attributes:
+        digest: sha256 of the bytecode, constants, names, counts and flags.
+        global_names: the names it reads as globals, in first-read order.
+        attr_names: the attribute names it loads (``x.name``), in order.
+    """
+
+    digest: bytes
+    global_names: tuple[str, ...]
+    attr_names: tuple[str, ...]
+
+
+# (code object, allowed names) -> what _analyze found, or None
+_CODE: dict[tuple[types.CodeType, frozenset[str]], Static | None] = {}
 
 
 def _denied(attr: str) -> bool:
@@ -161,13 +181,14 @@ def _const_text(v: Any) -> str | None:
     return None  # a nested code object (function, class, comprehension)
 
 
-def _analyze(code: types.CodeType) -> tuple[bytes, tuple[str, ...]] | None:
+def _analyze(code: types.CodeType, allowed: frozenset[str]) -> Static | None:
     if code.co_flags & _REJECTED_FLAGS or code.co_cellvars:
         return None
     consts = [_const_text(c) for c in code.co_consts]
     if None in consts:
         return None
     global_names: list[str] = []
+    attr_names: list[str] = []
     for ins in dis.get_instructions(code):
         name = ins.opname
         if name not in _OPCODES:
@@ -177,8 +198,11 @@ def _analyze(code: types.CodeType) -> tuple[bytes, tuple[str, ...]] | None:
         if name == "LOAD_GLOBAL":
             if ins.argval not in global_names:
                 global_names.append(ins.argval)
-        elif name in ("LOAD_ATTR", "LOAD_METHOD") and _denied(ins.argval):
-            return None
+        elif name in ("LOAD_ATTR", "LOAD_METHOD"):
+            if _denied(ins.argval) and ins.argval not in allowed:
+                return None
+            if ins.argval not in attr_names:
+                attr_names.append(ins.argval)
     h = hashlib.sha256()
     for part in (
         code.co_code,
@@ -189,10 +213,26 @@ def _analyze(code: types.CodeType) -> tuple[bytes, tuple[str, ...]] | None:
     ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-    return h.digest(), tuple(global_names)
+    return Static(h.digest(), tuple(global_names), tuple(attr_names))
 
 
-def _object_text(v: Any) -> str | None:
+def analyze(code: types.CodeType, allowed: frozenset[str] = frozenset()) -> Static | None:
+    """What the accepted class needs to know of ``code`` (cached per code
+    object), or None where the code is outside that class.
+
+    Args:
+        allowed: attribute names accepted although :data:`_DENIED_ATTRS`
+            or its prefixes deny them (a custom Function backward's
+            ``ctx.saved_tensors``).
+    """
+    try:
+        return _CODE[code, allowed]
+    except KeyError:
+        static = _CODE[code, allowed] = _analyze(code, allowed)
+        return static
+
+
+def object_text(v: Any) -> str | None:
     """A deterministic text for a global, closure or default value, or None."""
     if isinstance(v, types.ModuleType):
         return f"module:{v.__name__}" if v in _MODULES else None
@@ -217,6 +257,45 @@ def _object_text(v: Any) -> str | None:
     return _const_text(v)
 
 
+def outside_texts(fn: types.FunctionType, static: Static) -> list[str] | None:
+    """Deterministic texts of everything ``fn`` reads from outside its code:
+    the globals it names (by name), its closure cells and positional
+    defaults (in order) and its keyword defaults (by name); None where one
+    of them is not an accepted value, or a global is missing (eager raises
+    ``NameError`` there)."""
+    read: list[tuple[str, Any]] = []
+    g = fn.__globals__
+    for name in static.global_names:
+        if name in g:
+            read.append((f"{name}=", g[name]))
+        elif hasattr(builtins, name):
+            read.append((f"{name}=", getattr(builtins, name)))
+        else:
+            return None  # a NameError at run time: eager raises it
+    for cell in fn.__closure__ or ():
+        try:
+            read.append(("", cell.cell_contents))
+        except ValueError:
+            return None  # an empty cell
+    read += [("", v) for v in fn.__defaults__ or ()]
+    read += [(f"{k}=", v) for k, v in sorted((fn.__kwdefaults__ or {}).items())]
+    parts: list[str] = []
+    for label, v in read:
+        text = object_text(v)
+        if text is None:
+            return None
+        parts.append(label + text)
+    return parts
+
+
+def digest(static: Static, parts: list[str]) -> bytes:
+    """The :data:`FINGERPRINT_BYTES` fingerprint of a code's ``static`` and
+    the texts ``parts`` of what it reads."""
+    h = hashlib.sha256(static.digest)
+    h.update("\0".join(parts).encode())
+    return h.digest()[:FINGERPRINT_BYTES]
+
+
 def fingerprint(hook: Any) -> bytes | None:
     """The fingerprint of a hook this module accepts for tracing, else None.
 
@@ -229,41 +308,13 @@ def fingerprint(hook: Any) -> bytes | None:
     """
     if type(hook) is not types.FunctionType:
         return None
-    code = hook.__code__
-    try:
-        static = _CODE[code]
-    except KeyError:
-        static = _CODE[code] = _analyze(code)
+    static = analyze(hook.__code__)
     if static is None:
         return None
-    digest, global_names = static
-    # (label, value) of everything the hook reads from outside: globals by
-    # name, closure cells and positional defaults in order, keyword defaults
-    read: list[tuple[str, Any]] = []
-    g = hook.__globals__
-    for name in global_names:
-        if name in g:
-            read.append((f"{name}=", g[name]))
-        elif hasattr(builtins, name):
-            read.append((f"{name}=", getattr(builtins, name)))
-        else:
-            return None  # a NameError at run time: eager raises it
-    for cell in hook.__closure__ or ():
-        try:
-            read.append(("", cell.cell_contents))
-        except ValueError:
-            return None  # an empty cell
-    read += [("", v) for v in hook.__defaults__ or ()]
-    read += [(f"{k}=", v) for k, v in sorted((hook.__kwdefaults__ or {}).items())]
-    parts: list[str] = []
-    for label, v in read:
-        text = _object_text(v)
-        if text is None:
-            return None
-        parts.append(label + text)
-    h = hashlib.sha256(digest)
-    h.update("\0".join(parts).encode())
-    return h.digest()[:FINGERPRINT_BYTES]
+    parts = outside_texts(hook, static)
+    if parts is None:
+        return None
+    return digest(static, parts)
 
 
 def dict_fingerprints(hooks: Mapping[Any, Any]) -> list[bytes | None]:

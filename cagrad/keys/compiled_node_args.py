@@ -19,7 +19,9 @@ Per node the key holds, in order:
    in name order, and for every saved tensor (and element of a saved tensor
    list): defined or not, and its metadata (requires_grad, dtype, device,
    layout, number of dimensions, conjugate/negative bits for complex
-   dtypes);
+   dtypes); for a custom Function, whether its backward is traced and then
+   its fingerprint (:mod:`cagrad.hooks.backward_tracing`), forward outputs
+   and saved tensors;
 4. for every edge: invalid, or the target's discovery id, input number and
    the target's input metadata there (dtype, device, number of dimensions).
    This also covers the hidden fields of the ``edge`` policy (see
@@ -46,7 +48,7 @@ from ..autograd.node_schema import NodeKind, NodeSchema
 from ..autograd.saved_variables import Slot
 from ..autograd.walk import Kind, NodeHooks, NodePlan
 from ..errors import EagerError, Unsupported
-from ..hooks import hook_tracing
+from ..hooks import backward_tracing, hook_tracing
 from ..hooks.hooks_census import Census, FoundHooks
 from .cache_key import CacheKey, KeyWriter
 from .sizes import SizeInputs
@@ -54,6 +56,8 @@ from .subclasses import SubclassSpec, flatten, write_subclass
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# (a custom Function is planned as CUSTOM; whether its backward is traced is
+# decided after its hooks, and written after them: see Collector.collect)
 _KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.AOT: b"g", Kind.ACCUMULATE: b"a"}
 
 
@@ -180,8 +184,10 @@ class Collector:
         any_opaque: some node has hooks that are not traced or runs
             opaque, so leaves are accumulated in order inside the graph.
         user_code: some code of the user's runs during the backward besides
-            traceable tensor hooks (hooks of other kinds or not traceable,
-            custom Functions, nodes run as they are).
+            traceable tensor hooks and traced custom Function backwards
+            (hooks of other kinds or not traceable, custom Functions run
+            opaque, nodes run as they are). A custom Function is traced only
+            while it is False up to that node's own pre-hooks.
         traced_hooks: object indices of the tensor hook dicts whose hooks are
             traced into the graph (set by :meth:`finish`).
         needs_host: some hook was added from C++ and may queue a callback
@@ -208,6 +214,10 @@ class Collector:
         self.attr_slots: dict[tuple[int, str], Any] = {}
         self.output_slots: dict[tuple[int, int], int] = {}
         self.leaves: list[tuple[torch.Tensor, int]] = []
+        # NodeCall.id -> fingerprint of a custom Function chosen for tracing
+        # in _plan (decided in collect, once its hooks are known)
+        self._custom_fp: dict[int, bytes] = {}
+        self._user_code_before_apply = False  # the node being collected
 
     def marked_dynamic_slots(self) -> list[int]:
         """The size slots of dimensions marked with
@@ -262,6 +272,7 @@ class Collector:
         is_sink = schema.kind is NodeKind.ACCUMULATE_GRAD
         plan = self._plan(call, schema, is_sink)
         w.tag(_KIND_TAG[plan.kind])
+        self._user_code_before_apply = False
         found = None
         # with inputs=, the engine reaches a node that does not run only when
         # it is the root itself (one root edge: no GraphRoot); it still runs
@@ -287,8 +298,7 @@ class Collector:
         elif plan.kind is Kind.AOT:
             self._write_aot(w, call, plan)
         elif plan.kind is Kind.CUSTOM:
-            self._write_custom(w, node, plan.record)
-            self.releases.append(call)
+            self._write_custom_function(w, call, plan)
         else:
             self.releases.append(call)
         self._write_edges(w, call)
@@ -327,6 +337,12 @@ class Collector:
                         f"{schema.name} has saved tensors with pack/unpack hooks that are "
                         "not cagrad's and a BackwardState",
                     )
+            if not self.user_code:
+                fp = backward_tracing.fingerprint(node, run_context.create_graph())
+                if fp is not None and self._claim_custom(node):
+                    # traced unless its own hooks run user code before it
+                    self._custom_fp[call.id] = fp
+                    return NodePlan(Kind.CUSTOM, record=record)
             self.user_code = self.any_opaque = True
             return NodePlan(Kind.CUSTOM, node=self.obj(node), record=record)
         if kind is NodeKind.GENERATED and self._traceable(call, schema):
@@ -424,17 +440,7 @@ class Collector:
         record = plan.record
         self._write_custom(w, node, record)
         w.size(node._forward_cls._aot_id)
-        w.value((node.materialize_grads, node._materialize_non_diff_grads))
-        for i, info in enumerate(record.outputs):
-            if info is None:
-                w.tag(b"N")
-                continue
-            w.value(info.differentiable)
-            w.dtype(info.dtype)
-            w.device(info.device)
-            if not info.differentiable:
-                w.size(len(info.shape))
-                self.output_slots[(call.id, i)] = self.sizes.add(info.shape, False, f"{name} output {i}")
+        self._write_outputs(w, call, record, False)
         self.attr_slots[(call.id, "symints")] = self._sym_attr(
             w, tuple(node.symints), True, f"{name}.symints"
         )
@@ -445,6 +451,9 @@ class Collector:
             self.user_code = self.any_opaque = True  # its hooks may observe .grad
         else:
             w.tag(b"-")
+        self._lift_saved_tensors(w, node, name)
+
+    def _lift_saved_tensors(self, w: KeyWriter, node: Any, name: str) -> None:
         try:
             values = node.saved_tensors
         except RuntimeError as e:
@@ -452,6 +461,54 @@ class Collector:
         w.size(len(values))
         for i, value in enumerate(values):
             self._lift(w, value, (node, "tensors", i), f"{name}.saved_tensors[{i}]")
+
+    def _write_outputs(self, w: KeyWriter, call: NodeCall, record: Any, all_shapes: bool) -> None:
+        """The forward outputs a materialized zero gradient is made for: the
+        materialize flags, and per output its kind, dtype and device, and
+        its shape as size slots (:attr:`output_slots`) where it is not
+        differentiable, or for every output with ``all_shapes`` (those of
+        differentiable outputs may then be dynamic)."""
+        node = call.node
+        w.value((node.materialize_grads, node._materialize_non_diff_grads))
+        for i, info in enumerate(record.outputs):
+            if info is None:
+                w.tag(b"N")
+                continue
+            w.value(info.differentiable)
+            w.dtype(info.dtype)
+            w.device(info.device)
+            if all_shapes or not info.differentiable:
+                w.size(len(info.shape))
+                self.output_slots[(call.id, i)] = self.sizes.add(
+                    info.shape, all_shapes and info.differentiable, f"{call.name} output {i}"
+                )
+
+    def _write_custom_function(self, w: KeyWriter, call: NodeCall, plan: NodePlan) -> None:
+        """A custom Function run by PyNode's steps: opaque (``o``: its
+        backward is not traceable, or user code ran before this node; ``O``:
+        its own pre-hooks run user code), or traced
+        (``T`` and its :func:`~cagrad.hooks.backward_tracing.fingerprint`,
+        its forward outputs and its saved tensors, lifted) where no code of
+        the user's runs before it in this backward, its own pre-hooks
+        included: such code could change what the fingerprint read."""
+        node = call.node
+        fp = self._custom_fp.pop(call.id, None)
+        if fp is None or self._user_code_before_apply:
+            if fp is None:
+                w.tag(b"o")  # its object was added in _plan, before its hooks'
+            else:
+                w.tag(b"O")  # (a distinct tag: its object follows its hooks')
+                plan.node = self.obj(node)
+                self.user_code = self.any_opaque = True
+            self._write_custom(w, node, plan.record)
+            self.releases.append(call)
+            return
+        plan.kind = Kind.CUSTOM_TRACED
+        w.tag(b"T")
+        w.text(fp.hex())
+        self._write_custom(w, node, plan.record)
+        self._write_outputs(w, call, plan.record, True)
+        self._lift_saved_tensors(w, node, call.name)
 
     def _write_custom(self, w: KeyWriter, node: Any, record: Any) -> None:
         cls = node._forward_cls
@@ -483,6 +540,7 @@ class Collector:
             hooks.tensor_pre.append((input_nr, obj))
             if None in fingerprints:
                 self.user_code = self.any_opaque = True
+                self._user_code_before_apply = True
             else:
                 self._traceable_pre.append(obj)
         w.size(len(found.retain_grad))
@@ -490,6 +548,7 @@ class Collector:
             w.size(input_nr)
             hooks.retain_grad.append((input_nr, self.obj(ref)))
             self.any_opaque = True
+        self._user_code_before_apply |= bool(found.pre)
         for d, field in ((found.pre, "pre"), (found.post, "post"), (found.post_accumulate, "post_accumulate")):
             if d:
                 w.size(len(d))

@@ -219,9 +219,14 @@ def test_retain_graph_calls_the_hook_per_backward() -> None:
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
 
 
+_NO_GRAD_CALLS: list[int] = []
+
+
 class _NoGrad(torch.autograd.Function):
     """Identity whose backward gives no gradient: cagrad's graph assumed one,
-    so the interpreter finishes the backward from there (a deopt)."""
+    so the interpreter finishes the backward from there (a deopt). Its
+    backward has a side effect, so it runs opaque rather than traced
+    (cagrad.hooks.backward_tracing)."""
 
     @staticmethod
     def forward(ctx, v):
@@ -229,6 +234,7 @@ class _NoGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        _NO_GRAD_CALLS.append(1)
         return None
 
 

@@ -85,13 +85,21 @@ class OnceDiff(torch.autograd.Function):
         return g * x.cos()
 
 
+_NO_GRAD_CALLS: list[int] = []
+
+
 class NoGradForW(torch.autograd.Function):
+    """Runs opaque (its backward has a side effect: cagrad.hooks.backward_tracing),
+    so the graph assumes a gradient for ``w`` and the tests below see the
+    interpreter finish the first backward."""
+
     @staticmethod
     def forward(ctx, x, w):
         return x * w
 
     @staticmethod
     def backward(ctx, g):
+        _NO_GRAD_CALLS.append(1)
         return g, None  # w requires grad but gets none
 
 
