@@ -175,7 +175,7 @@ class Collector:
         self.any_opaque = False
         self.user_code = False
         self.traced_hooks: frozenset[int] = frozenset()
-        self._traceable_pre: list[int] = []
+        self._traceable_dicts: list[int] = []
         self.needs_host = False
         self.sizes = SizeInputs()
         self.metadata_slots: dict[tuple[int, int], int] = {}
@@ -237,7 +237,7 @@ class Collector:
             found = self.census.hooks_of(node, is_sink)
             self.census.check_invisible(node, found, call.needed, name)
         if found is not None:
-            plan.hooks = self._hooks(w, found)
+            plan.hooks = self._hooks(w, found, plan.kind)
         else:
             w.tag(b"-")
         self.plans.append(plan)
@@ -425,7 +425,26 @@ class Collector:
         w.text(f"{cls.__module__}.{cls.__qualname__}")
         w.value(record.is_variable_input)
 
-    def _hooks(self, w: KeyWriter, found: FoundHooks) -> NodeHooks:
+    def _hook_dict(self, w: KeyWriter, d: Any, traceable: bool) -> tuple[int, bool]:
+        """One hook dict into the key: its length and, per hook, its
+        fingerprint or ``o`` (opaque); returns its object index and whether
+        every hook in it can be traced (it then joins ``_traceable_dicts``)."""
+        w.size(len(d))
+        fingerprints = hook_tracing.dict_fingerprints(d)
+        for fp in fingerprints:
+            if fp is None:
+                w.tag(b"o")
+            else:
+                w.tag(b"p")
+                w.text(fp.hex())
+        obj = self.obj(d)
+        if traceable and None not in fingerprints:
+            self._traceable_dicts.append(obj)
+            return obj, True
+        self.user_code = self.any_opaque = True
+        return obj, False
+
+    def _hooks(self, w: KeyWriter, found: FoundHooks, kind: Kind) -> NodeHooks:
         hooks = NodeHooks()
         if found.cpp_post:
             # hooks added from C++ (DDP's reducer): their count, then the rest
@@ -438,32 +457,30 @@ class Collector:
         w.size(len(found.tensor_pre))
         for input_nr, d in found.tensor_pre:
             w.size(input_nr)
-            w.size(len(d))
-            fingerprints = hook_tracing.dict_fingerprints(d)
-            for k, fp in enumerate(fingerprints):
-                if fp is None:
-                    w.tag(b"o")
-                else:
-                    w.tag(b"p")
-                    w.text(fp.hex())
-            obj = self.obj(d)
-            hooks.tensor_pre.append((input_nr, obj))
-            if None in fingerprints:
-                self.user_code = self.any_opaque = True
-            else:
-                self._traceable_pre.append(obj)
+            hooks.tensor_pre.append((input_nr, self._hook_dict(w, d, True)[0]))
         w.size(len(found.retain_grad))
         for input_nr, ref in found.retain_grad:
             w.size(input_nr)
             hooks.retain_grad.append((input_nr, self.obj(ref)))
             self.any_opaque = True
-        for d, field in ((found.pre, "pre"), (found.post, "post"), (found.post_accumulate, "post_accumulate")):
-            if d:
-                w.size(len(d))
-                setattr(hooks, field, self.obj(d))
-                self.user_code = self.any_opaque = True
-            else:
-                w.size(0)
+        # node pre-hooks are traced before any node (they see its incoming
+        # gradients); post-hooks only after a traced node, whose outputs the
+        # trace has for every edge (an opaque node's outputs for unused edges
+        # are handed on unseen)
+        if found.pre:
+            hooks.pre = self._hook_dict(w, found.pre, True)[0]
+        else:
+            w.size(0)
+        if found.post:
+            hooks.post = self._hook_dict(w, found.post, kind is Kind.TRACED)[0]
+        else:
+            w.size(0)
+        if found.post_accumulate:
+            w.size(len(found.post_accumulate))
+            hooks.post_accumulate = self.obj(found.post_accumulate)
+            self.user_code = self.any_opaque = True
+        else:
+            w.size(0)
         return hooks
 
     def finish(self) -> None:
@@ -475,9 +492,9 @@ class Collector:
         they run opaque like every other hook. The decision follows from the
         keys alone (fingerprints, hook kinds and node kinds are all in them).
         """
-        if self._traceable_pre and not self.user_code:
-            self.traced_hooks = frozenset(self._traceable_pre)
-        elif self._traceable_pre:
+        if self._traceable_dicts and not self.user_code:
+            self.traced_hooks = frozenset(self._traceable_dicts)
+        elif self._traceable_dicts:
             self.any_opaque = True
 
     def _write_edges(self, w: KeyWriter, call: NodeCall) -> None:
