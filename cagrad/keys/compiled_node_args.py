@@ -154,10 +154,10 @@ class Collector:
         any_opaque: some node has hooks that are not traced or runs
             opaque, so leaves are accumulated in order inside the graph.
         user_code: some code of the user's runs during the backward besides
-            traceable tensor hooks (hooks of other kinds or not traceable,
-            custom Functions, nodes run as they are).
-        traced_hooks: object indices of the tensor hook dicts whose hooks are
-            traced into the graph (set by :meth:`finish`).
+            traceable tensor and node hooks (hooks of other kinds or not
+            traceable, custom Functions, nodes run as they are).
+        traced_hooks: object indices of the tensor and node hook dicts whose
+            hooks are traced into the graph (set by :meth:`finish`).
         needs_host: some hook was added from C++ and may queue a callback
             from C++, so the graph runs inside a host GraphTask of torch's
             (:mod:`cagrad.run.host`).
@@ -425,13 +425,15 @@ class Collector:
         w.text(f"{cls.__module__}.{cls.__qualname__}")
         w.value(record.is_variable_input)
 
-    def _hook_dict(self, w: KeyWriter, d: Any, traceable: bool) -> tuple[int, bool]:
+    def _hook_dict(self, w: KeyWriter, d: Any, traceable: bool, name: str, hook_of: str) -> int:
         """One hook dict into the key: its length and, per hook, its
-        fingerprint or ``o`` (opaque); returns its object index and whether
-        every hook in it can be traced (it then joins ``_traceable_dicts``)."""
+        fingerprint or ``o`` (opaque). Returns its object index; it joins
+        ``_traceable_dicts`` if ``traceable`` and every hook in it can be
+        traced. ``name`` (the dict) and ``hook_of`` (where a hook sits) name
+        its fields in golden_graphs' decoded keys."""
         w.size(len(d))
         fingerprints = hook_tracing.dict_fingerprints(d)
-        for fp in fingerprints:
+        for k, fp in enumerate(fingerprints):
             if fp is None:
                 w.tag(b"o")
             else:
@@ -440,9 +442,9 @@ class Collector:
         obj = self.obj(d)
         if traceable and None not in fingerprints:
             self._traceable_dicts.append(obj)
-            return obj, True
-        self.user_code = self.any_opaque = True
-        return obj, False
+        else:
+            self.user_code = self.any_opaque = True
+        return obj
 
     def _hooks(self, w: KeyWriter, found: FoundHooks, kind: Kind) -> NodeHooks:
         hooks = NodeHooks()
@@ -457,7 +459,8 @@ class Collector:
         w.size(len(found.tensor_pre))
         for input_nr, d in found.tensor_pre:
             w.size(input_nr)
-            hooks.tensor_pre.append((input_nr, self._hook_dict(w, d, True)[0]))
+            where = f"at input {input_nr}"
+            hooks.tensor_pre.append((input_nr, self._hook_dict(w, d, True, f"hooks {where}", where)))
         w.size(len(found.retain_grad))
         for input_nr, ref in found.retain_grad:
             w.size(input_nr)
@@ -467,24 +470,25 @@ class Collector:
         # gradients); post-hooks only after a traced node, whose outputs the
         # trace has for every edge (an opaque node's outputs for unused edges
         # are handed on unseen)
-        if found.pre:
-            hooks.pre = self._hook_dict(w, found.pre, True)[0]
-        else:
-            w.size(0)
-        if found.post:
-            hooks.post = self._hook_dict(w, found.post, kind is Kind.TRACED)[0]
-        else:
-            w.size(0)
-        if found.post_accumulate:
-            w.size(len(found.post_accumulate))
-            hooks.post_accumulate = self.obj(found.post_accumulate)
+        for field in ("pre", "post"):
+            d = getattr(found, field)
+            if d:
+                traceable = field == "pre" or kind is Kind.TRACED
+                setattr(hooks, field, self._hook_dict(w, d, traceable, f"{field} hooks", f"of {field} hooks"))
+            else:
+                w.size(0)
+        field = "post_accumulate"
+        d = found.post_accumulate
+        if d:
+            w.size(len(d))
+            hooks.post_accumulate = self.obj(d)
             self.user_code = self.any_opaque = True
         else:
             w.size(0)
         return hooks
 
     def finish(self) -> None:
-        """Decides, once every node is collected, whether tensor hooks are traced.
+        """Decides, once every node is collected, whether hooks are traced.
 
         They are when each is accepted by :mod:`cagrad.hooks.hook_tracing` and no
         other code of the user's runs during the backward (which could
