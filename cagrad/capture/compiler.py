@@ -133,6 +133,10 @@ class Traced:
             position order (see :func:`runtime_objects`).
         shape_env: the trace's ShapeEnv (None when every size is static); a
             backend compiling the graph directly adds its guards to it.
+        retain_outputs: ``(runtime object index of the weakref to a tensor
+            that retains its gradient, graph output index)`` of each
+            ``retain_grad`` gradient set as ``.grad`` after the graph, in run
+            order (empty where they are opaque calls in the graph).
     """
 
     graph_module: torch.fx.GraphModule
@@ -147,6 +151,7 @@ class Traced:
     plans: list[Any]
     force_opaque: frozenset[int]
     shape_env: Any = None
+    retain_outputs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def has_opaque_calls(self) -> bool:
@@ -730,7 +735,14 @@ class AutogradCompilerInstance:
             for slot, f in zip(self.args.slots, fakes)
             if slot is not None
         ]
-        walk = BackwardWalk(self.task, self.plans, self, self.accumulate_at_end, self.profile)
+        walk = BackwardWalk(
+            self.task,
+            self.plans,
+            self,
+            self.accumulate_at_end,
+            self.profile,
+            retain_at_end=self.accumulate_at_end and not run_context.create_graph(),
+        )
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(self.fake_mode)
@@ -757,6 +769,10 @@ class AutogradCompilerInstance:
             else:
                 capture_outputs.append(len(outputs))
                 outputs.append(g)
+        retain_outputs = []
+        for obj, g in walk.retained:
+            retain_outputs.append((obj, len(outputs)))
+            outputs.append(g)
         tracer.create_node(
             "output", "output", (tracer.create_arg([self._proxy(o) for o in outputs]),), {}
         )
@@ -775,6 +791,7 @@ class AutogradCompilerInstance:
             self.plans,
             self.force_opaque,
             self.shape_env,
+            retain_outputs,
         )
 
     def _size_check(self, used_sizes: list[int]) -> tuple[SizeCheck, list[Any], Any]:

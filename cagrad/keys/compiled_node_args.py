@@ -465,7 +465,10 @@ class Collector:
         for input_nr, ref in found.retain_grad:
             w.size(input_nr)
             hooks.retain_grad.append((input_nr, self.obj(ref)))
-            self.any_opaque = True
+            if run_context.create_graph():
+                # the gradient's .grad keeps its history: set in order, by an
+                # opaque call (see BackwardWalk's retain_at_end)
+                self.any_opaque = True
         # node pre-hooks are traced before any node (they see its incoming
         # gradients); post-hooks only after a traced node, whose outputs the
         # trace has for every edge (an opaque node's outputs for unused edges
