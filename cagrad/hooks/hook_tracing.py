@@ -45,10 +45,11 @@ a hook recreated every step (``t.register_hook(lambda g: g * s)``) keeps
 hitting while a changed ``s`` recaptures. It depends on the Python version
 (bytecode) but on no address or hash seed, so keys stay deterministic.
 
-A backward's hooks are traced only when no other code of the user's runs
-during it (no untraceable tensor or node hooks, post-accumulate-grad hooks,
-custom Functions or nodes run as they are): such code could change a hook
-dict after the key was read
+A hook dict is traced only when it runs before any other code of the
+user's in the backward's run order (untraceable tensor or node hooks,
+post-accumulate-grad hooks, custom Functions or nodes run as they are): such
+code could change a hook dict after the key was read, but only the dicts
+that run after it matter, and those run opaque
 (:meth:`cagrad.keys.compiled_node_args.Collector.finish`).
 """
 

@@ -53,6 +53,10 @@ from .sizes import SizeInputs
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# when in a node's steps (cagrad.autograd.walk) a hook dict or code of the
+# user's runs: (position in run order, step, index within the step)
+_AT_TENSOR_PRE, _AT_PRE, _AT_APPLY, _AT_POST = range(4)
+
 _KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.AOT: b"g", Kind.ACCUMULATE: b"a"}
 
 
@@ -175,7 +179,11 @@ class Collector:
         self.any_opaque = False
         self.user_code = False
         self.traced_hooks: frozenset[int] = frozenset()
-        self._traceable_dicts: list[int] = []
+        # (object index, when it runs) of each dict whose hooks all trace
+        self._traceable_dicts: list[tuple[int, tuple[int, int, int]]] = []
+        # when the first code of the user's runs, or None
+        self._first_user_code: tuple[int, int, int] | None = None
+        self._pos = 0  # position in run order of the node being collected
         self.needs_host = False
         self.sizes = SizeInputs()
         self.metadata_slots: dict[tuple[int, int], int] = {}
@@ -212,6 +220,7 @@ class Collector:
             EagerError: eager would raise running this node (released graph,
                 tensor modified in place).
         """
+        self._pos = len(self.plans)
         w = KeyWriter()
         w.size(call.id)
         w.tag(b"T" if call.needed else b"F")
@@ -294,14 +303,14 @@ class Collector:
                         f"{schema.name} has saved tensors with pack/unpack hooks that are "
                         "not cagrad's and a BackwardState",
                     )
-            self.user_code = self.any_opaque = True
+            self._user_code(_AT_APPLY)
             return NodePlan(Kind.CUSTOM, node=self.obj(node), record=record)
         if kind is NodeKind.GENERATED and self._traceable(call, schema):
             return NodePlan(Kind.TRACED)
         # hidden state, a node type with no formula to trace, or saved tensors
         # with foreign pack hooks: run the node itself at run time (its
         # unpack hooks may run the user's code: checkpointing recomputes)
-        self.user_code = self.any_opaque = True
+        self._user_code(_AT_APPLY)
         return NodePlan(Kind.OPAQUE, node=self.obj(node))
 
     def _traceable(self, call: NodeCall, schema: NodeSchema) -> bool:
@@ -409,7 +418,7 @@ class Collector:
         if state is not None:
             w.tag(b"B")
             plan.node = self.obj(state)
-            self.user_code = self.any_opaque = True  # its hooks may observe .grad
+            self._user_code(_AT_APPLY)  # its hooks may observe .grad
         else:
             w.tag(b"-")
         try:
@@ -425,12 +434,22 @@ class Collector:
         w.text(f"{cls.__module__}.{cls.__qualname__}")
         w.value(record.is_variable_input)
 
-    def _hook_dict(self, w: KeyWriter, d: Any, traceable: bool, name: str, hook_of: str) -> int:
+    def _user_code(self, step: int, k: int = 0) -> None:
+        """Code of the user's runs at ``step`` of the node being collected."""
+        self.user_code = self.any_opaque = True
+        at = (self._pos, step, k)
+        if self._first_user_code is None or at < self._first_user_code:
+            self._first_user_code = at
+
+    def _hook_dict(
+        self, w: KeyWriter, d: Any, traceable: bool, name: str, hook_of: str, step: int, k: int = 0
+    ) -> int:
         """One hook dict into the key: its length and, per hook, its
         fingerprint or ``o`` (opaque). Returns its object index; it joins
         ``_traceable_dicts`` if ``traceable`` and every hook in it can be
         traced. ``name`` (the dict) and ``hook_of`` (where a hook sits) name
-        its fields in golden_graphs' decoded keys."""
+        its fields in golden_graphs' decoded keys; ``step`` and ``k`` say
+        when it runs in the node's steps."""
         w.size(len(d))
         fingerprints = hook_tracing.dict_fingerprints(d)
         for k, fp in enumerate(fingerprints):
@@ -441,9 +460,9 @@ class Collector:
                 w.text(fp.hex())
         obj = self.obj(d)
         if traceable and None not in fingerprints:
-            self._traceable_dicts.append(obj)
+            self._traceable_dicts.append((obj, (self._pos, step, k)))
         else:
-            self.user_code = self.any_opaque = True
+            self._user_code(step, k)
         return obj
 
     def _hooks(self, w: KeyWriter, found: FoundHooks, kind: Kind) -> NodeHooks:
@@ -457,10 +476,11 @@ class Collector:
         else:
             w.tag(b"h")
         w.size(len(found.tensor_pre))
-        for input_nr, d in found.tensor_pre:
+        for j, (input_nr, d) in enumerate(found.tensor_pre):
             w.size(input_nr)
             where = f"at input {input_nr}"
-            hooks.tensor_pre.append((input_nr, self._hook_dict(w, d, True, f"hooks {where}", where)))
+            obj = self._hook_dict(w, d, True, f"hooks {where}", where, _AT_TENSOR_PRE, j)
+            hooks.tensor_pre.append((input_nr, obj))
         w.size(len(found.retain_grad))
         for input_nr, ref in found.retain_grad:
             w.size(input_nr)
@@ -477,7 +497,9 @@ class Collector:
             d = getattr(found, field)
             if d:
                 traceable = field == "pre" or kind is Kind.TRACED
-                setattr(hooks, field, self._hook_dict(w, d, traceable, f"{field} hooks", f"of {field} hooks"))
+                step = _AT_PRE if field == "pre" else _AT_POST
+                obj = self._hook_dict(w, d, traceable, f"{field} hooks", f"of {field} hooks", step)
+                setattr(hooks, field, obj)
             else:
                 w.size(0)
         field = "post_accumulate"
@@ -485,7 +507,7 @@ class Collector:
         if d:
             w.size(len(d))
             hooks.post_accumulate = self.obj(d)
-            self.user_code = self.any_opaque = True
+            self._user_code(_AT_APPLY)
         else:
             w.size(0)
         return hooks
@@ -493,15 +515,20 @@ class Collector:
     def finish(self) -> None:
         """Decides, once every node is collected, whether hooks are traced.
 
-        They are when each is accepted by :mod:`cagrad.hooks.hook_tracing` and no
-        other code of the user's runs during the backward (which could
-        change a hook dict after its fingerprint went into the key); else
-        they run opaque like every other hook. The decision follows from the
-        keys alone (fingerprints, hook kinds and node kinds are all in them).
+        A dict is when each of its hooks is accepted by
+        :mod:`cagrad.hooks.hook_tracing` and it runs before any other code of
+        the user's (hooks that are not traced, custom Functions, nodes run as
+        they are) in the backward's run order: such code could change a hook
+        dict after its fingerprint went into the key, but only for the dicts
+        that run after it; between the keys and a dict that runs before it,
+        only traced ops run. Later dicts run opaque like every other hook.
+        The decision follows from the keys alone (run order, fingerprints,
+        hook kinds and node kinds are all in them).
         """
-        if self._traceable_dicts and not self.user_code:
-            self.traced_hooks = frozenset(self._traceable_dicts)
-        elif self._traceable_dicts:
+        first = self._first_user_code
+        traced = [obj for obj, at in self._traceable_dicts if first is None or at < first]
+        self.traced_hooks = frozenset(traced)
+        if len(traced) < len(self._traceable_dicts):
             self.any_opaque = True
 
     def _write_edges(self, w: KeyWriter, call: NodeCall) -> None:

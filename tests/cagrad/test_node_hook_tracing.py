@@ -319,3 +319,117 @@ def test_torch_compiled_autograd_agrees_on_traced_node_hooks():
     torch._dynamo.reset()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b)
+
+
+# -- hooks that run before any opaque code of the user's ----------------------
+
+
+def test_pure_hooks_before_the_first_opaque_hook_stay_traced(captured):
+    # t's tensor hook and node hooks run before h's impure hook: traced;
+    # w's pure hook runs after it (the impure hook could have changed its
+    # dict): opaque. The side effect runs on all 3 backwards.
+    seen: list[torch.Tensor] = []
+
+    def register(step, h, t, w):
+        t.register_hook(lambda g: g * 2)
+        t.grad_fn.register_prehook(lambda go: (go[0] + 1,))
+        t.grad_fn.register_hook(lambda gi, go: (gi[0] * 3,))
+        h.register_hook(lambda g: seen.append(g.clone()))
+        return [w.register_hook(lambda g: g - 1)]
+
+    expected = _steps(register)
+    eager_seen = list(seen)
+    seen.clear()
+    with cagrad.enable("eager"):
+        actual = _steps(register)
+    for a, b in zip(expected, actual):
+        same(a, b)
+    assert len(seen) == len(eager_seen) == 3
+    for a, b in zip(seen, eager_seen):
+        same(a, b)
+    assert (cagrad.counters["captures"], cagrad.counters["cache_hits"]) == (1, 2)
+    assert cagrad.counters["hooks_traced"] == 3
+    assert _opaque_calls(captured) == ["tensor_pre_hooks", "tensor_pre_hooks", "accumulate"]
+
+
+def test_a_later_opaque_hook_that_removes_an_earlier_traced_one_takes_effect_next_backward():
+    # eager: the pure pre-hook runs in the first backward, then the impure
+    # hook that runs after it removes it; the next backwards run without it
+    def build():
+        torch.manual_seed(0)
+        w = torch.randn(4, requires_grad=True)
+        h = w * 3
+        t = h.tanh()
+        handle = t.grad_fn.register_prehook(lambda go: (go[0] * 10,))
+
+        def removes(g):
+            handle.remove()
+
+        h.register_hook(removes)
+        grads = []
+        for _ in range(3):
+            t.sum().backward(retain_graph=True)
+            grads.append(w.grad)
+            w.grad = None
+        return grads
+
+    expected = build()
+    with cagrad.enable("eager"):
+        actual = build()
+    for e, a in zip(expected, actual):
+        same(e, a)
+    assert not torch.equal(expected[0], expected[1])
+    # traced in the first backward only: its dict is empty after that
+    assert cagrad.counters["hooks_traced"] == 1
+    assert cagrad.counters["captures"] == 2
+
+
+def test_pure_hooks_before_a_custom_function_stay_traced():
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    def build():
+        torch.manual_seed(0)
+        w = torch.randn(4, requires_grad=True)
+        t = Twice.apply(w).tanh()
+        t.register_hook(lambda g: g + 1)
+        t.grad_fn.register_hook(lambda gi, go: (gi[0] * 0.5,))
+        t.sum().backward()
+        return w.grad
+
+    expected = build()
+    with cagrad.enable("eager"):
+        actual = build()
+    same(expected, actual)
+    assert cagrad.counters["fallbacks"] == 0
+    assert cagrad.counters["hooks_traced"] == 2
+
+
+def test_an_opaque_tensor_hook_changes_a_later_dict_of_the_same_node():
+    # a's and b's hooks both run at SplitBackward0, a's first (registered
+    # first); a's impure hook adds a hook to b's dict, which eager then runs
+    def build():
+        torch.manual_seed(0)
+        x = torch.randn(4, requires_grad=True)
+        a, b = (x * 2).split([2, 2])
+
+        def adds(g):
+            b.register_hook(lambda g: g + 100)
+
+        a.register_hook(adds)
+        b.register_hook(lambda g: g * 3)
+        (a.sin() + b.cos()).sum().backward()
+        return x.grad
+
+    expected = build()
+    with cagrad.enable("eager"):
+        actual = build()
+    same(expected, actual)
+    assert cagrad.counters["fallbacks"] == 0
+    assert cagrad.counters["hooks_traced"] == 0
