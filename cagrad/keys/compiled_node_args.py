@@ -442,14 +442,14 @@ class Collector:
             self._first_user_code = at
 
     def _hook_dict(
-        self, w: KeyWriter, d: Any, traceable: bool, name: str, hook_of: str, step: int, k: int = 0
+        self, w: KeyWriter, d: Any, traceable: bool, name: str, hook_of: str, step: int, index: int = 0
     ) -> int:
         """One hook dict into the key: its length and, per hook, its
         fingerprint or ``o`` (opaque). Returns its object index; it joins
         ``_traceable_dicts`` if ``traceable`` and every hook in it can be
         traced. ``name`` (the dict) and ``hook_of`` (where a hook sits) name
-        its fields in golden_graphs' decoded keys; ``step`` and ``k`` say
-        when it runs in the node's steps."""
+        its fields in golden_graphs' decoded keys; ``step`` and ``index``
+        (within the step) say when it runs in the node's steps."""
         w.size(len(d))
         fingerprints = hook_tracing.dict_fingerprints(d)
         for k, fp in enumerate(fingerprints):
@@ -460,9 +460,9 @@ class Collector:
                 w.text(fp.hex())
         obj = self.obj(d)
         if traceable and None not in fingerprints:
-            self._traceable_dicts.append((obj, (self._pos, step, k)))
+            self._traceable_dicts.append((obj, (self._pos, step, index)))
         else:
-            self._user_code(step, k)
+            self._user_code(step, index)
         return obj
 
     def _hooks(self, w: KeyWriter, found: FoundHooks, kind: Kind) -> NodeHooks:

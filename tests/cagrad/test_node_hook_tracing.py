@@ -413,7 +413,8 @@ def test_pure_hooks_before_a_custom_function_stay_traced():
 
 def test_an_opaque_tensor_hook_changes_a_later_dict_of_the_same_node():
     # a's and b's hooks both run at SplitBackward0, a's first (registered
-    # first); a's impure hook adds a hook to b's dict, which eager then runs
+    # first); a's impure hook (the third in its dict) adds a hook to b's
+    # dict, which eager then runs
     def build():
         torch.manual_seed(0)
         x = torch.randn(4, requires_grad=True)
@@ -422,6 +423,8 @@ def test_an_opaque_tensor_hook_changes_a_later_dict_of_the_same_node():
         def adds(g):
             b.register_hook(lambda g: g + 100)
 
+        a.register_hook(lambda g: g * 2)  # pure, in the same dict as adds
+        a.register_hook(lambda g: g - 1)
         a.register_hook(adds)
         b.register_hook(lambda g: g * 3)
         (a.sin() + b.cos()).sum().backward()
