@@ -59,7 +59,9 @@ def test_callbacks_queued_while_hosted_run_after_the_function_then_cagrad_owns_t
 def _entry():
     # one leaf gradient (graph output 0, the leaf at order position 0) and
     # one autograd.grad result (output 1); neither output aliases an input
-    traced = SimpleNamespace(leaf_outputs=[(0, 0)], capture_outputs=[1, None], aliases_input=[False, False])
+    traced = SimpleNamespace(
+        leaf_outputs=[(0, 0)], capture_outputs=[1, None], aliases_input=[False, False], retain_outputs=[]
+    )
     return SimpleNamespace(traced=traced)
 
 
