@@ -25,7 +25,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``hooks/``
 ``hooks.hooks_census``          finding every hook a backward would run
 ``hooks.cpp_hooks``             hooks added from C++ (DDP's reducer) and their calls
-``hooks.hook_tracing``          tensor hooks pure enough to trace, their fingerprint
+``hooks.hook_tracing``          tensor and node hooks pure enough to trace, their fingerprint
 ``keys/`` (collect, look up)
 ``keys.compiled_node_args``     CompiledNodeArgs: one node's key and lifted tensors
 ``keys.cache_key``              CacheKey and its byte encoding

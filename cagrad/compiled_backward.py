@@ -377,7 +377,9 @@ def run(
         counters.record_fallback("eager_error", f"eager raises here: {e.cause}")
         return call.run_eager(eager_engine)
     if outs is not None:
-        result = runtime.finish_whole(entry, [c.node for c in collected.task.order], outs)
+        result = runtime.finish_whole(
+            entry, [c.node for c in collected.task.order], outs, collected.collector.objects
+        )
     else:
         deopts = entry.deopts
         # captured in this backward: where the run fails a check, the

@@ -40,7 +40,7 @@ _INT_KEYS = (
     "disk_stores",  # captures written to the disk cache
     "disk_skips",  # captures with a disk cache that were not written (reason logged at DEBUG)
     "specializations",  # static compiles of a symbolic graph for sizes it runs at (cagrad.compile.specialize)
-    "hooks_traced",  # tensor hook dicts traced into a captured graph (cagrad.hooks.hook_tracing)
+    "hooks_traced",  # tensor and node hook dicts traced into a captured graph (cagrad.hooks.hook_tracing)
     "hooks_opaque",  # of the dicts chosen for tracing, ones that did not trace and run opaque
     "custom_functions_traced",  # custom Function backwards traced into a captured graph
     # (cagrad.hooks.backward_tracing; one that fails to trace counts in nodes_forced_opaque)

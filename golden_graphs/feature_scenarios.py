@@ -8,6 +8,8 @@ the first docstring line of each says what it pins.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch._functorch.aot_autograd as aot_autograd
@@ -22,8 +24,29 @@ def _double(g: torch.Tensor) -> torch.Tensor:
     return g * 2
 
 
-def _noop(*args: object) -> None:
-    return None
+class _Noop:
+    """A hook that returns None. An object, not a plain function, so
+    cagrad's hook tracing (cagrad/hooks/hook_tracing.py) leaves it an opaque
+    call, which is what these scenarios show."""
+
+    __name__ = "_noop"
+
+    def __call__(self, *args: object) -> None:
+        return None
+
+
+_noop = _Noop()
+
+
+class _Opaque:
+    """Calls ``fn``; an object, so it stays an opaque call (see _Noop)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = fn.__name__
+
+    def __call__(self, *args: object) -> Any:
+        return self.fn(*args)
 
 
 # -- hooks ---------------------------------------------------------------------
@@ -34,8 +57,20 @@ def node_pre_hook() -> Backward:
     """grad_fn.register_prehook on a MulBackward0: its pre-hooks run opaque before the node."""
     x = leaf(3, 4)
     y = x * 3.0
-    y.grad_fn.register_prehook(lambda grads: (grads[0] * 2,))
+    y.grad_fn.register_prehook(_Opaque(lambda grads: (grads[0] * 2,)))
     return Backward(y.sin().sum())
+
+
+@scenario
+def traced_node_hooks() -> Backward:
+    """pure node pre- and post-hooks on a TanhBackward0 and a pure tensor hook: all traced inline, in eager's order."""
+    x = leaf(3, 4)
+    h = x * 3.0
+    t = h.tanh()
+    t.register_hook(_double)
+    t.grad_fn.register_prehook(lambda grads: (grads[0] + 1,))
+    t.grad_fn.register_hook(lambda grad_inputs, grad_outputs: (grad_inputs[0] * grad_outputs[0],))
+    return Backward(t.sin().sum())
 
 
 @scenario

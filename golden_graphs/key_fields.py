@@ -119,11 +119,13 @@ _LABELS: dict[tuple[str, str], str] = {
     ("_hooks", "len(found.tensor_pre)"): "inputs with tensor pre-hooks",
     ("_hooks", "input_nr"): "hooked input_nr",
     ("_hooks", "len(d)"): "{field} hooks",
-    ("_hooks", 'b"o"'): "hook {k} at input {input_nr}: runs as",
-    ("_hooks", 'b"p"'): "hook {k} at input {input_nr}: runs as",
-    ("_hooks", "fp.hex()"): "hook {k} at input {input_nr}: fingerprint",
     ("_hooks", "len(found.retain_grad)"): "inputs with retain_grad",
     ("_hooks", "0"): "{field} hooks",
+    # one hook dict (tensor pre-hooks of an input, node pre- or post-hooks)
+    ("_hook_dict", "len(d)"): "{name}",
+    ("_hook_dict", 'b"o"'): "hook {k} {hook_of}: runs as",
+    ("_hook_dict", 'b"p"'): "hook {k} {hook_of}: runs as",
+    ("_hook_dict", "fp.hex()"): "hook {k} {hook_of}: fingerprint",
     # edges
     ("_write_edges", "len(edges)"): "edges",
     ("_write_edges", 'b"N"'): "edge {i}: invalid",
@@ -131,9 +133,6 @@ _LABELS: dict[tuple[str, str], str] = {
     ("_write_edges", "input_nr"): "edge {i}: input_nr",
     ("_write_own_inputs", "len(call.input_metadata)"): "inputs",
 }
-
-# the tensor-pre-hook loop reuses "len(d)" for the hooks of one input
-_TENSOR_PRE_LEN = "hooks at input {input_nr}"
 
 _CALL = re.compile(r"\bw\.(size|sizes|tag|text|int|value|dtype|device)\((.*)\)\s*(?:#.*)?$")
 
@@ -147,8 +146,6 @@ def _label(frame: Any) -> str:
     if isinstance(local.get("what"), str):
         local["what"] = _short(local["what"])
     template = _LABELS.get((code.co_name, expr))
-    if code.co_name == "_hooks" and expr == "len(d)" and "field" not in local:
-        template = _TENSOR_PRE_LEN
     if template is None:
         return f"{UNNAMED}{code.co_name}: {expr}"
     try:

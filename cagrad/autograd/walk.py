@@ -200,6 +200,10 @@ class BackwardWalk:
         accumulate_at_end: leaf gradients are collected and accumulated
             after the graph (no hook or opaque call can observe ``.grad``
             during it), instead of by opaque calls in order.
+        retain_at_end: ``retain_grad`` gradients are collected
+            (``retained``) and set as ``.grad`` after the graph, as eager's
+            hook would have set them (no hook or opaque call can observe
+            ``.grad`` during it), instead of by opaque calls in order.
         profile: for speculative calls whose assumption failed before,
             ``{(pos, phase): per result, False (None), True (defined), or
             the dimension order of a dense gradient in another layout than
@@ -215,6 +219,7 @@ class BackwardWalk:
         executor: Executor,
         accumulate_at_end: bool,
         profile: dict[tuple[int, Phase], tuple[bool, ...]] | None = None,
+        retain_at_end: bool = False,
     ) -> None:
         self.task = task
         self.plans = plans
@@ -225,6 +230,9 @@ class BackwardWalk:
         self.buffers: dict[int, list] = {}
         self.captured: list = [None] * task.num_captures
         self.leaf_grads: list[tuple[int, Any]] = []
+        self.retain_at_end = retain_at_end
+        # (object index of the weakref to the tensor, gradient), in run order
+        self.retained: list[tuple[int, Any]] = []
         self.position = {id(call): pos for pos, call in enumerate(task.order)}
         self._root_grads: list = []
         # called with ((pos, phase), results) after each speculative call
@@ -415,7 +423,11 @@ class BackwardWalk:
                 "tensor_pre_hooks", (Obj(obj), grad), grad, name, None, pos
             )
         for input_nr, obj in hooks.retain_grad:
-            self.ex.opaque("retain_grad", (Obj(obj), inputs[input_nr]), None, name, None, pos)
+            if self.retain_at_end:
+                if inputs[input_nr] is not None:  # eager's hook ignores an undefined one
+                    self.retained.append((obj, inputs[input_nr]))
+            else:
+                self.ex.opaque("retain_grad", (Obj(obj), inputs[input_nr]), None, name, None, pos)
         return inputs
 
     def _capture(self, call: NodeCall, inputs: list) -> None:

@@ -88,6 +88,14 @@ OPAQUE_TARGETS = frozenset(
     )
 )
 
+# hook calls whose dict may be traced (Collector.traced_hooks): op -> what
+# its hooks are called in logs and node tags
+_TRACEABLE_HOOKS = {
+    "tensor_pre_hooks": "tensor hook",
+    "node_pre_hooks": "node pre-hook",
+    "node_post_hooks": "node post-hook",
+}
+
 # in a deopt pattern (see cagrad.run.runtime): this result was defined but not
 # strided where the graph uses it as strided (see cagrad.capture.segments); truthy,
 # so the walk still treats it as defined, and the capture that follows falls
@@ -134,6 +142,10 @@ class Traced:
             runtime rebuilds the subclass before anything reads the outputs
             (:func:`cagrad.keys.subclasses.rebuild`), and ``aliases_input``
             is per graph output (flat).
+        retain_outputs: ``(runtime object index of the weakref to a tensor
+            that retains its gradient, graph output index)`` of each
+            ``retain_grad`` gradient set as ``.grad`` after the graph, in run
+            order (empty where they are opaque calls in the graph).
     """
 
     graph_module: torch.fx.GraphModule
@@ -149,6 +161,7 @@ class Traced:
     force_opaque: frozenset[int]
     shape_env: Any = None
     output_specs: list[Any] | None = None
+    retain_outputs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def has_opaque_calls(self) -> bool:
@@ -649,8 +662,8 @@ class AutogradCompilerInstance:
         return a
 
     def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
-        if op == "tensor_pre_hooks" and args[0].index in self.collector.traced_hooks:
-            traced = self._trace_tensor_hooks(args[0].index, args[1], origin)
+        if op in _TRACEABLE_HOOKS and args[0].index in self.collector.traced_hooks:
+            traced = self._trace_hooks(op, args[0].index, args[1:], origin)
             if traced is not None:
                 return traced[0]
         target = getattr(runtime_ops, op)
@@ -704,20 +717,23 @@ class AutogradCompilerInstance:
             )
         return outs
 
-    def _trace_tensor_hooks(self, index: int, grad: Any, origin: str) -> tuple[Any] | None:
-        """Records one tensor's hooks (``hooks[index]``, accepted by
-        :mod:`cagrad.hooks.hook_tracing`) as traced ops on ``grad``; returns
-        ``(new gradient,)``, or None (nothing recorded) where a hook does not
-        trace (it reads a value, or returns what eager would reject): the
-        caller then records the opaque call, which runs the hooks, and
-        raises eager's error, at run time. A None gradient is handed to the
-        hooks as eager does; one that returns a tensor for it fails here.
+    def _trace_hooks(self, op: str, index: int, args: tuple, origin: str) -> tuple[Any] | None:
+        """Records one hook dict (``hooks[index]``, each hook accepted by
+        :mod:`cagrad.hooks.hook_tracing`) as traced ops on its gradients
+        (``args``: ``op``'s arguments after the dict); returns ``(result,)``
+        (the new gradient, or list of them for node hooks), or None (nothing
+        recorded) where a hook does not trace (it reads a value, or returns
+        what eager would reject): the caller then records the opaque call,
+        which runs the hooks, and raises eager's error, at run time. A None
+        gradient is handed to the hooks as eager does; one that returns a
+        tensor for it fails here.
         """
         hooks = self.collector.objects[index]
+        kind = _TRACEABLE_HOOKS[op]
         graph = self.tracer.graph
         marker = self._last_node()
         try:
-            g = runtime_ops.traced_tensor_pre_hooks(hooks, grad)
+            result = getattr(runtime_ops, "traced_" + op)(hooks, *args)
         except Exception as e:  # noqa: BLE001 - any failure: the hooks run opaque
             node = self._last_node()
             while node is not marker:
@@ -725,15 +741,15 @@ class AutogradCompilerInstance:
                 graph.erase_node(node)
                 node = prev
             counters.bump("hooks_opaque")
-            log.info("%s: tensor hooks run opaque (%s: %s)", origin, type(e).__name__, e)
+            log.info("%s: %s run opaque (%s: %s)", origin, kind, type(e).__name__, e)
             if self.accumulate_at_end:
                 # the leaves would be accumulated after an opaque hook that
                 # might read them: trace again with every hook opaque
                 raise HookTraceFailed("hook_trace_failed", f"{origin}: {type(e).__name__}") from e
             return None
-        self._tag_since(marker, f"{origin} tensor hook")
+        self._tag_since(marker, f"{origin} {kind}")
         counters.bump("hooks_traced")
-        return (g,)
+        return (result,)
 
     # -- capture --------------------------------------------------------------
     def capture(self) -> Traced:
@@ -772,7 +788,14 @@ class AutogradCompilerInstance:
         with self.fake_mode:
             lifted = subclasses.unflatten(self.args.groups, self.args.slots, fakes)
         swapped = [(saved_variables.holder(slot), f) for slot, f in lifted if slot is not None]
-        walk = BackwardWalk(self.task, self.plans, self, self.accumulate_at_end, self.profile)
+        walk = BackwardWalk(
+            self.task,
+            self.plans,
+            self,
+            self.accumulate_at_end,
+            self.profile,
+            retain_at_end=self.accumulate_at_end and not run_context.create_graph(),
+        )
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(self.fake_mode)
@@ -799,9 +822,15 @@ class AutogradCompilerInstance:
             else:
                 capture_outputs.append(len(outputs))
                 outputs.append(g)
+        retain_outputs = []
+        for obj, g in walk.retained:
+            retain_outputs.append((obj, len(outputs)))
+            outputs.append(g)
         output_specs = None
         if subclass:
             _check_no_opaque_calls(tracer.graph)
+            if retain_outputs:
+                raise Unsupported("tensor_subclass", "a tensor subclass in a backward with retain_grad")
             flat: list[torch.Tensor] = []
             output_specs = [subclasses.flatten(o, "a gradient the graph returns", flat) for o in outputs]
             outputs = flat
@@ -826,6 +855,7 @@ class AutogradCompilerInstance:
             self.force_opaque,
             self.shape_env,
             output_specs,
+            retain_outputs,
         )
 
     def _size_check(self, used_sizes: list[int]) -> tuple[SizeCheck, list[Any], Any]:

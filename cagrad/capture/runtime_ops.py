@@ -106,6 +106,31 @@ def traced_tensor_pre_hooks(hooks: Mapping[Any, Callable], grad: Grad) -> Grad:
     return args[0]
 
 
+def _check_tuple_traceable(original: tuple, result: Any, hook: Any) -> None:
+    _check_tuple(original, result, hook)
+    for o, r in zip(original, result):
+        if r is not None and o is not None and r.device != o.device:
+            raise RuntimeError(f"hook '{hook_name(hook)}' has moved a gradient to {r.device}")
+
+
+def traced_node_pre_hooks(hooks: Mapping[Any, Callable], grads: Sequence[Grad]) -> list[Grad]:
+    """:func:`node_pre_hooks` as a trace runs them (see
+    :func:`traced_tensor_pre_hooks`)."""
+    args = [tuple(grads)]
+    _call_hooks(hooks, args, _check_tuple_traceable)
+    return list(args[0])
+
+
+def traced_node_post_hooks(
+    hooks: Mapping[Any, Callable], grad_inputs: Sequence[Grad], grad_outputs: Sequence[Grad]
+) -> list[Grad]:
+    """:func:`node_post_hooks` as a trace runs them (see
+    :func:`traced_tensor_pre_hooks`)."""
+    args = [tuple(grad_inputs), tuple(grad_outputs)]
+    _call_hooks(hooks, args, _check_tuple_traceable)
+    return list(args[0])
+
+
 def retain_grad(tensor_ref: weakref.ref, grad: Grad) -> None:
     """The ``retains_grad`` hook of a non-leaf tensor (``Tensor.retain_grad``).
 

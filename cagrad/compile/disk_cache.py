@@ -244,6 +244,8 @@ def traced_reason(traced: Any) -> str | None:
         return "forced_opaque"
     if traced.has_opaque_calls:
         return "opaque_calls"
+    if traced.retain_outputs:
+        return "retain_grad"  # the record holds no retain_outputs: .grad would not be set
     for node in traced.graph_module.graph.nodes:
         if node.op == "placeholder" and node.target in _OTHER_PLACEHOLDERS and node.users:
             return "runtime_objects"

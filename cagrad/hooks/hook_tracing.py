@@ -1,11 +1,17 @@
-"""Which tensor hooks are traced into the graph, and the fingerprint that keys them.
+"""Which hooks are traced into the graph, and the fingerprint that keys them.
 
-A tensor pre-hook (``Tensor.register_hook``) runs, by default, as an opaque
-call: the graph is cut there and the hook runs in Python with the backward's
-own objects. A hook that is a *pure tensor function of its gradient* can
-instead be traced into the graph like a backward formula, so the backward
-compiles as one graph (as torch's compiled autograd does when Dynamo
-inlines a hook). "Pure" cannot be proven for Python in general; this module
+A tensor pre-hook (``Tensor.register_hook``), node pre-hook
+(``grad_fn.register_prehook``: ``hook(grad_outputs)``) or node post-hook
+(``grad_fn.register_hook``: ``hook(grad_inputs, grad_outputs)``) runs, by
+default, as an opaque call: the graph is cut there and the hook runs in
+Python with the backward's own objects. A hook that is a *pure tensor
+function of its gradients* can instead be traced into the graph like a
+backward formula, where eager's engine calls it
+(:class:`cagrad.autograd.walk.BackwardWalk`), so the backward compiles as one
+graph (as torch's compiled autograd does when Dynamo inlines a hook). A
+node's hook dict is traced when every hook in it is accepted; a post-hook
+dict only on a node whose formula is traced (a node run as it is hands the
+gradients of unused edges to its post-hooks unseen). "Pure" cannot be proven for Python in general; this module
 accepts a narrow class it can check from the hook's code, and everything
 else stays opaque, which is always correct:
 
@@ -43,10 +49,11 @@ The checker (:func:`analyze`, :func:`outside_texts`, :func:`digest`) is
 shared with :mod:`cagrad.hooks.backward_tracing`, which applies it to custom
 ``autograd.Function`` backwards.
 
-A backward's hooks are traced only when no other code of the user's runs
-during it (no node pre-/post-hooks, post-accumulate-grad hooks, custom
-Functions run opaque, nodes run as they are or untraceable tensor hooks): such code
-could change a hook dict after the key was read
+A hook dict is traced only when it runs before any other code of the
+user's in the backward's run order (untraceable tensor or node hooks,
+post-accumulate-grad hooks, custom Functions run opaque or nodes run as
+they are): such code could change a hook dict after the key was read, but
+only the dicts that run after it matter, and those run opaque
 (:meth:`cagrad.keys.compiled_node_args.Collector.finish`).
 """
 
@@ -300,7 +307,7 @@ def fingerprint(hook: Any) -> bytes | None:
     """The fingerprint of a hook this module accepts for tracing, else None.
 
     Args:
-        hook: a tensor hook as ``Tensor.register_hook`` stored it.
+        hook: a tensor or node hook as its ``register_*`` call stored it.
 
     Returns:
         :data:`FINGERPRINT_BYTES` bytes: equal for hooks with the same code
@@ -318,5 +325,6 @@ def fingerprint(hook: Any) -> bytes | None:
 
 
 def dict_fingerprints(hooks: Mapping[Any, Any]) -> list[bytes | None]:
-    """The fingerprint of each hook of one tensor's hook dict, in order."""
+    """The fingerprint of each hook of one hook dict (a tensor's or a
+    node's), in order."""
     return [fingerprint(h) for h in list(hooks.values())]

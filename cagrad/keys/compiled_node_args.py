@@ -58,6 +58,10 @@ _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 # (a custom Function is planned as CUSTOM; whether its backward is traced is
 # decided after its hooks, and written after them: see Collector.collect)
+# when in a node's steps (cagrad.autograd.walk) a hook dict or code of the
+# user's runs: (position in run order, step, index within the step)
+_AT_TENSOR_PRE, _AT_PRE, _AT_APPLY, _AT_POST = range(4)
+
 _KIND_TAG = {Kind.TRACED: b"t", Kind.OPAQUE: b"o", Kind.CUSTOM: b"c", Kind.AOT: b"g", Kind.ACCUMULATE: b"a"}
 
 
@@ -184,12 +188,12 @@ class Collector:
         any_opaque: some node has hooks that are not traced or runs
             opaque, so leaves are accumulated in order inside the graph.
         user_code: some code of the user's runs during the backward besides
-            traceable tensor hooks and traced custom Function backwards
-            (hooks of other kinds or not traceable, custom Functions run
-            opaque, nodes run as they are). A custom Function is traced only
-            while it is False up to that node's own pre-hooks.
-        traced_hooks: object indices of the tensor hook dicts whose hooks are
-            traced into the graph (set by :meth:`finish`).
+            traceable tensor and node hooks and traced custom Function
+            backwards (hooks of other kinds or not traceable, custom Functions
+            run opaque, nodes run as they are). A custom Function is traced
+            only while it is False up to that node's own pre-hooks.
+        traced_hooks: object indices of the tensor and node hook dicts whose
+            hooks are traced into the graph (set by :meth:`finish`).
         needs_host: some hook was added from C++ and may queue a callback
             from C++, so the graph runs inside a host GraphTask of torch's
             (:mod:`cagrad.run.host`).
@@ -207,7 +211,11 @@ class Collector:
         self.any_opaque = False
         self.user_code = False
         self.traced_hooks: frozenset[int] = frozenset()
-        self._traceable_pre: list[int] = []
+        # (object index, when it runs) of each dict whose hooks all trace
+        self._traceable_dicts: list[tuple[int, tuple[int, int, int]]] = []
+        # when the first code of the user's runs, or None
+        self._first_user_code: tuple[int, int, int] | None = None
+        self._pos = 0  # position in run order of the node being collected
         self.needs_host = False
         self.sizes = SizeInputs()
         self.metadata_slots: dict[tuple[int, int], int] = {}
@@ -255,6 +263,7 @@ class Collector:
             EagerError: eager would raise running this node (released graph,
                 tensor modified in place).
         """
+        self._pos = len(self.plans)
         w = KeyWriter()
         w.size(call.id)
         w.tag(b"T" if call.needed else b"F")
@@ -281,7 +290,7 @@ class Collector:
             found = self.census.hooks_of(node, is_sink)
             self.census.check_invisible(node, found, call.needed, name)
         if found is not None:
-            plan.hooks = self._hooks(w, found)
+            plan.hooks = self._hooks(w, found, plan.kind)
         else:
             w.tag(b"-")
         self.plans.append(plan)
@@ -343,14 +352,14 @@ class Collector:
                     # traced unless its own hooks run user code before it
                     self._custom_fp[call.id] = fp
                     return NodePlan(Kind.CUSTOM, record=record)
-            self.user_code = self.any_opaque = True
+            self._user_code(_AT_APPLY)
             return NodePlan(Kind.CUSTOM, node=self.obj(node), record=record)
         if kind is NodeKind.GENERATED and self._traceable(call, schema):
             return NodePlan(Kind.TRACED)
         # hidden state, a node type with no formula to trace, or saved tensors
         # with foreign pack hooks: run the node itself at run time (its
         # unpack hooks may run the user's code: checkpointing recomputes)
-        self.user_code = self.any_opaque = True
+        self._user_code(_AT_APPLY)
         return NodePlan(Kind.OPAQUE, node=self.obj(node))
 
     def _traceable(self, call: NodeCall, schema: NodeSchema) -> bool:
@@ -448,7 +457,7 @@ class Collector:
         if state is not None:
             w.tag(b"B")
             plan.node = self.obj(state)
-            self.user_code = self.any_opaque = True  # its hooks may observe .grad
+            self._user_code(_AT_APPLY)  # its hooks may observe .grad
         else:
             w.tag(b"-")
         self._lift_saved_tensors(w, node, name)
@@ -499,7 +508,7 @@ class Collector:
             else:
                 w.tag(b"O")  # (a distinct tag: its object follows its hooks')
                 plan.node = self.obj(node)
-                self.user_code = self.any_opaque = True
+                self._user_code(_AT_APPLY)
             self._write_custom(w, node, plan.record)
             self.releases.append(call)
             return
@@ -515,7 +524,41 @@ class Collector:
         w.text(f"{cls.__module__}.{cls.__qualname__}")
         w.value(record.is_variable_input)
 
-    def _hooks(self, w: KeyWriter, found: FoundHooks) -> NodeHooks:
+    def _user_code(self, step: int, k: int = 0) -> None:
+        """Code of the user's runs at ``step`` of the node being collected
+        (before its apply: a custom Function there runs opaque)."""
+        self.user_code = self.any_opaque = True
+        if step < _AT_APPLY:
+            self._user_code_before_apply = True
+        at = (self._pos, step, k)
+        if self._first_user_code is None or at < self._first_user_code:
+            self._first_user_code = at
+
+    def _hook_dict(
+        self, w: KeyWriter, d: Any, traceable: bool, name: str, hook_of: str, step: int, index: int = 0
+    ) -> int:
+        """One hook dict into the key: its length and, per hook, its
+        fingerprint or ``o`` (opaque). Returns its object index; it joins
+        ``_traceable_dicts`` if ``traceable`` and every hook in it can be
+        traced. ``name`` (the dict) and ``hook_of`` (where a hook sits) name
+        its fields in golden_graphs' decoded keys; ``step`` and ``index``
+        (within the step) say when it runs in the node's steps."""
+        w.size(len(d))
+        fingerprints = hook_tracing.dict_fingerprints(d)
+        for k, fp in enumerate(fingerprints):
+            if fp is None:
+                w.tag(b"o")
+            else:
+                w.tag(b"p")
+                w.text(fp.hex())
+        obj = self.obj(d)
+        if traceable and None not in fingerprints:
+            self._traceable_dicts.append((obj, (self._pos, step, index)))
+        else:
+            self._user_code(step, index)
+        return obj
+
+    def _hooks(self, w: KeyWriter, found: FoundHooks, kind: Kind) -> NodeHooks:
         hooks = NodeHooks()
         if found.cpp_post:
             # hooks added from C++ (DDP's reducer): their count, then the rest
@@ -526,50 +569,61 @@ class Collector:
         else:
             w.tag(b"h")
         w.size(len(found.tensor_pre))
-        for input_nr, d in found.tensor_pre:
+        for j, (input_nr, d) in enumerate(found.tensor_pre):
             w.size(input_nr)
-            w.size(len(d))
-            fingerprints = hook_tracing.dict_fingerprints(d)
-            for k, fp in enumerate(fingerprints):
-                if fp is None:
-                    w.tag(b"o")
-                else:
-                    w.tag(b"p")
-                    w.text(fp.hex())
-            obj = self.obj(d)
+            where = f"at input {input_nr}"
+            obj = self._hook_dict(w, d, True, f"hooks {where}", where, _AT_TENSOR_PRE, j)
             hooks.tensor_pre.append((input_nr, obj))
-            if None in fingerprints:
-                self.user_code = self.any_opaque = True
-                self._user_code_before_apply = True
-            else:
-                self._traceable_pre.append(obj)
         w.size(len(found.retain_grad))
         for input_nr, ref in found.retain_grad:
             w.size(input_nr)
             hooks.retain_grad.append((input_nr, self.obj(ref)))
-            self.any_opaque = True
+            if run_context.create_graph():
+                # the gradient's .grad keeps its history: set in order, by an
+                # opaque call (see BackwardWalk's retain_at_end)
+                self.any_opaque = True
+        # a custom Function with node pre-hooks runs opaque (Collector._write_custom_function)
         self._user_code_before_apply |= bool(found.pre)
-        for d, field in ((found.pre, "pre"), (found.post, "post"), (found.post_accumulate, "post_accumulate")):
+        # node pre-hooks are traced before any node (they see its incoming
+        # gradients); post-hooks only after a traced node, whose outputs the
+        # trace has for every edge (an opaque node's outputs for unused edges
+        # are handed on unseen)
+        for field in ("pre", "post"):
+            d = getattr(found, field)
             if d:
-                w.size(len(d))
-                setattr(hooks, field, self.obj(d))
-                self.user_code = self.any_opaque = True
+                traceable = field == "pre" or kind is Kind.TRACED
+                step = _AT_PRE if field == "pre" else _AT_POST
+                obj = self._hook_dict(w, d, traceable, f"{field} hooks", f"of {field} hooks", step)
+                setattr(hooks, field, obj)
             else:
                 w.size(0)
+        field = "post_accumulate"
+        d = found.post_accumulate
+        if d:
+            w.size(len(d))
+            hooks.post_accumulate = self.obj(d)
+            self._user_code(_AT_APPLY)
+        else:
+            w.size(0)
         return hooks
 
     def finish(self) -> None:
-        """Decides, once every node is collected, whether tensor hooks are traced.
+        """Decides, once every node is collected, whether hooks are traced.
 
-        They are when each is accepted by :mod:`cagrad.hooks.hook_tracing` and no
-        other code of the user's runs during the backward (which could
-        change a hook dict after its fingerprint went into the key); else
-        they run opaque like every other hook. The decision follows from the
-        keys alone (fingerprints, hook kinds and node kinds are all in them).
+        A dict is when each of its hooks is accepted by
+        :mod:`cagrad.hooks.hook_tracing` and it runs before any other code of
+        the user's (hooks that are not traced, custom Functions, nodes run as
+        they are) in the backward's run order: such code could change a hook
+        dict after its fingerprint went into the key, but only for the dicts
+        that run after it; between the keys and a dict that runs before it,
+        only traced ops run. Later dicts run opaque like every other hook.
+        The decision follows from the keys alone (run order, fingerprints,
+        hook kinds and node kinds are all in them).
         """
-        if self._traceable_pre and not self.user_code:
-            self.traced_hooks = frozenset(self._traceable_pre)
-        elif self._traceable_pre:
+        first = self._first_user_code
+        traced = [obj for obj, at in self._traceable_dicts if first is None or at < first]
+        self.traced_hooks = frozenset(traced)
+        if len(traced) < len(self._traceable_dicts):
             self.any_opaque = True
 
     def _write_edges(self, w: KeyWriter, call: NodeCall) -> None:

@@ -24,7 +24,7 @@ import torch
 from ..autograd import run_context, saved_variables
 from ..autograd.accumulate import accumulate_all, dense_strides, stealable_outputs
 from ..autograd.walk import Kind
-from ..capture import segments
+from ..capture import runtime_ops, segments
 from ..capture.shells import shells
 from ..capture.compiler import NON_STRIDED, dimension_order, runtime_objects
 from ..compile.cuda_graphs import BorrowedOutputs
@@ -67,8 +67,11 @@ def call_whole(
     return outs if isinstance(outs, BorrowedOutputs) else list(outs)
 
 
-def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor]) -> list:
-    """Accumulates the leaf gradients; returns the ``autograd.grad`` results.
+def finish_whole(
+    entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor], objects: Sequence[Any] = ()
+) -> list:
+    """Sets the ``retain_grad`` gradients and accumulates the leaf
+    gradients; returns the ``autograd.grad`` results.
 
     Args:
         order: the backward's nodes in run order (the leaves' AccumulateGrad
@@ -76,8 +79,13 @@ def finish_whole(entry: Any, order: Sequence[Any], outs: Sequence[torch.Tensor])
         outs: the graph's outputs; :class:`~cagrad.compile.cuda_graphs.BorrowedOutputs`
             (a CUDA graph's, overwritten by its next replay) are never
             stolen into ``.grad`` and results are cloned.
+        objects: the backward's runtime objects (the weakrefs of tensors
+            that retain their gradient are read from it by index).
     """
     traced = entry.traced
+    for obj, i in traced.retain_outputs:
+        # eager's retains_grad hook: a contiguous copy, or an out-of-place sum
+        runtime_ops.retain_grad(objects[obj], outs[i])
     if isinstance(outs, BorrowedOutputs):
         # a CUDA graph's outputs: the next replay overwrites them
         never = [False] * len(outs)

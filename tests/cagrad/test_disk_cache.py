@@ -443,3 +443,32 @@ def test_a_record_is_checked_by_rebuilding_it_before_it_is_written():
     node = next(n for n in data["graph"] if '"f"' in json.dumps(n[3]))
     node[3] = json.loads(json.dumps(node[3]).replace('"f", "', '"f", "-', 1))
     assert disk_cache._round_trip_problem(json.dumps(data), traced, collected) == "rebuild_code_differs"
+
+
+def test_a_graph_that_sets_a_retained_grad_is_not_stored(tmp_path):
+    """A traced ``retain_grad`` is set from a graph output after the graph
+    (``Traced.retain_outputs``), which a record does not hold: a graph loaded
+    from one would leave the retained ``.grad`` unset."""
+
+    def run(cache_dir=None):
+        torch.manual_seed(0)
+        w = torch.randn(3, 4, requires_grad=True)
+        h = (w * 2).sin()
+        h.retain_grad()
+        loss = h.square().sum()
+        if cache_dir is None:
+            loss.backward()
+        else:
+            with cagrad.enable("eager", cache_dir=cache_dir):
+                loss.backward()
+        return w.grad, h.grad
+
+    expected = run()
+    for _ in range(2):
+        _new_session()
+        actual = run(tmp_path)
+        for x, y in zip(expected, actual):
+            same(x, y)
+    assert cagrad.counters["disk_stores"] == 0 and cagrad.counters["disk_hits"] == 0
+    assert cagrad.counters["disk_skips"] == 1 and cagrad.counters["captures"] == 1
+    assert _files(tmp_path) == []

@@ -242,7 +242,9 @@ def test_post_hook_returning_none_is_finished_by_the_interpreter():
     def build(tr):
         x = torch.randn(3, requires_grad=True)
         y = x.exp()
-        y.grad_fn.register_hook(lambda gi, go: (None,))
+        # it records its call, so it runs opaque (a pure one is traced,
+        # test_node_hook_tracing.py, and needs no deopt)
+        y.grad_fn.register_hook(lambda gi, go: tr.append(("post", gi[0])) or (None,))
         ((x * 2) + y).sum().backward()
         return [x.grad]
 

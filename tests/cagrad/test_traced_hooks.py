@@ -191,7 +191,8 @@ def test_hooks_returning_none_leave_the_gradient():
 @pytest.mark.parametrize("accumulate_at_end", [True, False])
 def test_a_traced_hook_on_a_tensor_that_gets_no_gradient(accumulate_at_end):
     # eager calls the hook with None; the leaves' gradients must still arrive
-    # (with retain_grad, an opaque call, the graph accumulates in order)
+    # (with retain_grad under create_graph, an opaque call, the graph
+    # accumulates in order)
     def build():
         torch.manual_seed(0)
         x = torch.randn(3, requires_grad=True)
@@ -200,7 +201,7 @@ def test_a_traced_hook_on_a_tensor_that_gets_no_gradient(accumulate_at_end):
         b.register_hook(lambda g: None if g is None else g * 2)
         if not accumulate_at_end:
             a.retain_grad()
-        a.sum().backward()
+        a.sum().backward(create_graph=not accumulate_at_end)
         return x.grad, w.grad
 
     expected = build()
