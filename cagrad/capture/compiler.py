@@ -594,18 +594,7 @@ class AutogradCompilerInstance:
             saved = list(node.saved_tensors)
             return run_aot_backward(info, saved, list(symints), args, call_hook)
 
-        marker = self._last_node()
-        try:
-            outs = custom_function.apply(
-                node, plan.record, call.edges, inputs, backward, self.metadata,
-                self._output_shape(call, plan),
-            )
-        except Unsupported:
-            raise
-        except Exception as e:
-            raise NodeTraceFailed(f"trace_failed:{call.name}", f"{type(e).__name__}: {e}", pos) from e
-        self._tag_since(marker, origin)
-        return outs
+        return self._apply_pynode(pos, call, plan, inputs, backward, origin)
 
     def apply_custom(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
         """Traces a custom Function's backward (accepted by
@@ -623,6 +612,17 @@ class AutogradCompilerInstance:
                 raise RuntimeError("the backward is no longer traceable")
             return fn(node, *args)
 
+        outs = self._apply_pynode(pos, call, plan, inputs, backward, origin)
+        counters.bump("custom_functions_traced")
+        return outs
+
+    def _apply_pynode(
+        self, pos: int, call: NodeCall, plan: NodePlan, inputs: list, backward: Any, origin: str
+    ) -> list:
+        """PyNode's steps (:func:`custom_function.apply`) around ``backward``,
+        traced; the ops it adds are tagged with ``origin``. A failure other
+        than Unsupported raises NodeTraceFailed (the node then runs as it is)."""
+        node = call.node
         marker = self._last_node()
         try:
             outs = custom_function.apply(
@@ -634,7 +634,6 @@ class AutogradCompilerInstance:
         except Exception as e:
             raise NodeTraceFailed(f"trace_failed:{call.name}", f"{type(e).__name__}: {e}", pos) from e
         self._tag_since(marker, origin)
-        counters.bump("custom_functions_traced")
         return outs
 
     def _output_shape(self, call: NodeCall, plan: NodePlan) -> Any:

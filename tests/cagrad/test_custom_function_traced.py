@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.autograd.function import once_differentiable
 
 import cagrad
 from cagrad.hooks import backward_tracing
 
 from .conftest import same
+from .test_custom_function import OnceDiff
 
 CALLS: list[int] = []  # appended to by an opaque backward below
 COUNT = 0  # incremented by an opaque backward below
@@ -127,19 +127,6 @@ class Materialized(torch.autograd.Function):
     def backward(ctx, g1, g2, g_idx):
         # g2 and g_idx arrive as materialized zeros
         return g1 * 2 + g2 * 3 + g_idx.to(g1.dtype)
-
-
-class OnceDiff(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.sin()
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos()
 
 
 class Cube(torch.autograd.Function):
@@ -423,7 +410,7 @@ def test_non_tensor_inputs_and_trailing_nones():
 
 
 def test_create_graph_double_backward():
-    rec = _check(lambda x, w, step: Cube.apply(x * w).sum(), create_graph=True)
+    _check(lambda x, w, step: Cube.apply(x * w).sum(), create_graph=True)
     assert cagrad.counters["custom_functions_traced"] >= 1
     assert cagrad.counters["nodes_forced_opaque"] == 0
 

@@ -78,26 +78,17 @@ def _check_column(name: str, subject_name: str) -> None:
         cagrad.reset()
 
 
+COLUMNS = [
+    *FAST_COLUMNS,
+    *(pytest.param(c, marks=pytest.mark.slow) for c in SLOW_COLUMNS),
+    *(pytest.param(c, marks=pytest.mark.bench_peers) for c in PEER_COLUMNS),
+]
+
+
 @needs_transformers
-@pytest.mark.parametrize("subject_name", FAST_COLUMNS)
+@pytest.mark.parametrize("subject_name", COLUMNS)
 @pytest.mark.parametrize("name", sorted(MODEL_WORKLOADS))
-def test_cagrad_eager_column_gives_eagers_gradients(name, subject_name):
-    _check_column(name, subject_name)
-
-
-@pytest.mark.slow
-@needs_transformers
-@pytest.mark.parametrize("subject_name", SLOW_COLUMNS)
-@pytest.mark.parametrize("name", sorted(MODEL_WORKLOADS))
-def test_the_cagrad_inductor_column_gives_eagers_gradients(name, subject_name):
-    _check_column(name, subject_name)
-
-
-@pytest.mark.bench_peers
-@needs_transformers
-@pytest.mark.parametrize("subject_name", PEER_COLUMNS)
-@pytest.mark.parametrize("name", sorted(MODEL_WORKLOADS))
-def test_the_peer_columns_give_eagers_gradients(name, subject_name):
+def test_each_column_gives_eagers_gradients(name, subject_name):
     _check_column(name, subject_name)
 
 
