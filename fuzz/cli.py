@@ -179,6 +179,14 @@ def main() -> None:
     show_default=True,
     help="Neighbour programs run in the same cagrad state after an agreeing one (wrong cache hits).",
 )
+@click.option(
+    "--peer-every",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Run the peer subjects (torch's compiled autograd, torch_ca[...]) on one program in N of each round "
+    "(cagrad's subjects run on every program); 1: on every program.",
+)
 def campaign(
     budget: float,
     seed: int,
@@ -209,6 +217,7 @@ def campaign(
     rounds: int | None,
     known: str,
     neighbours: int,
+    peer_every: int,
 ) -> None:
     """Fuzz until the budget ends; write report.json and reproducers under OUT.
 
@@ -274,6 +283,7 @@ def campaign(
         known=None if known == "none" else known,
         neighbours=neighbours,
         steer=steer,
+        peer_every=peer_every,
     )
     try:
         code = Campaign(config).run()

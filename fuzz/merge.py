@@ -75,6 +75,8 @@ def merge_outputs(outs: Sequence[Path], dest: Path) -> dict[str, Any]:
         "feature_counts": {},
         "coverage": {},
         "steered": all(r.get("steered", False) for _, r in reports),
+        # one program in N ran the peers; None where the shards differed (reports before it: 1)
+        "peer_every": every.pop() if len(every := {r.get("peer_every", 1) for _, r in reports}) == 1 else None,
         "subjects": [],
         "devices": [],
         "failures": [],

@@ -260,6 +260,14 @@ class Oracle:
         skip_guard_latency_profile()
 
     @property
+    def peers(self) -> list[harness.Subject]:
+        """The subjects run for comparison only: torch's compiled autograd
+        (``torch_ca[...]``). A campaign may run them on a sample of its
+        programs (``--peer-every``); cagrad's subjects and plugins run on
+        every program."""
+        return [s for s in self.subjects if isinstance(s, harness.TorchCompiledAutogradSubject)]
+
+    @property
     def names(self) -> list[str]:
         return [s.name for s in self.subjects]
 
@@ -269,11 +277,15 @@ class Oracle:
                 return s
         raise KeyError(name)
 
-    def run(self, program: Program, only: FailureKey | None = None) -> Verdict:
+    def run(self, program: Program, only: FailureKey | None = None, peers: bool = True) -> Verdict:
         """Runs every subject on every device, or only ``only``'s pair (all
         subjects on its device when ``only`` names none of them, as for a
-        crash of the harness itself)."""
+        crash of the harness itself). ``peers=False`` leaves out
+        :attr:`peers` (unless nothing else is selected)."""
         subjects, devices = self.subjects, self.devices
+        if not peers and only is None:
+            peer_names = {s.name for s in self.peers}
+            subjects = [s for s in subjects if s.name not in peer_names] or subjects
         if only is not None:
             devices = [only.device]
             named = [s for s in self.subjects if s.name == only.subject]

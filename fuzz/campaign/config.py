@@ -50,6 +50,11 @@ class CampaignConfig:
         steer: steer each round's op weights toward what earlier rounds
             covered least (:mod:`fuzz.campaign.steer`); False: the base
             weights in every round.
+        peer_every: the peer subjects (:attr:`fuzz.oracle.Oracle.peers`:
+            torch's compiled autograd) run on the programs of a round whose
+            index is a multiple of this, cagrad's on every program; 1 runs
+            the peers on every program. A failure found is shrunk and
+            replayed with its own subject whatever the sample.
     """
 
     budget_s: float
@@ -71,6 +76,7 @@ class CampaignConfig:
     known: str | None = None
     neighbours: int = 0
     steer: bool = True
+    peer_every: int = 4
 
     def shard_text(self) -> str | None:
         return f"{self.shard[0]}/{self.shard[1]}" if self.shard else None

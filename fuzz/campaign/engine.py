@@ -450,6 +450,11 @@ class Campaign:
         self.console.print(table)
         for k in r["known"]:
             self.console.print(Text(f"known {k['id']}: {k['signature']} x{k['count']}"))
+        if r.get("peer_every", 1) > 1:
+            ran = {w: sum(c.values()) for w, c in r["outcome_counts"].items() if w.startswith("torch_ca[")}
+            if ran:
+                listed = ", ".join(f"{w} on {n}" for w, n in ran.items())
+                self.console.print(Text(f"peers (one program in {r['peer_every']}, --peer-every): {listed}"))
         seq = r["sequence_captures"]
         if seq:
             listed = "; ".join(

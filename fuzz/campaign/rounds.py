@@ -152,9 +152,9 @@ class RoundRunner:
         self.emit("round", {"round": r, "done": done, "index": self.index})
 
     # ------------------------------------------------------------- body
-    def _check(self, program: Program, only: FailureKey | None = None) -> tuple[Verdict, list[Found]]:
+    def _check(self, program: Program, only: FailureKey | None = None, peers: bool = True) -> tuple[Verdict, list[Found]]:
         try:
-            verdict = self.oracle.run(program, only)
+            verdict = self.oracle.run(program, only, peers=peers)
         except Exception as e:  # a crash inside the harness is a finding too
             device = only.device if only else self.oracle.devices[0]
             key = FailureKey("harness", device, "error", type(e).__name__)
@@ -197,7 +197,7 @@ class RoundRunner:
             self.index -= 1
             raise Stop
         self._announce(program, "gen")
-        verdict, found = self._check(program)
+        verdict, found = self._check(program, peers=(self.index - 1) % max(1, self.cfg.peer_every) == 0)
         self._exit_if_device_lost(verdict)
         stats: dict[str, Any] = {
             "round": self.round,

@@ -290,7 +290,9 @@ class CampaignState:
         ``op_counts``, ``feature_counts``, ``coverage`` (programs per
         feature and feature pair of :mod:`fuzz.coverage`, and per axis and
         pair what is covered and what not: :func:`fuzz.coverage.summary`),
-        ``steered`` (whether rounds were steered), ``subjects``, ``devices``,
+        ``steered`` (whether rounds were steered), ``subjects``, ``peer_every``
+        (the peer subjects ran on one program in this many: their
+        ``outcome_counts`` say how many), ``devices``,
         ``failures`` (one per signature: ``id``, ``signature``, ``count``,
         ``subject``, ``device``, ``status``, ``kind`` (``crash`` and
         ``timeout`` for a worker that died or hung), ``ops``, ``hooks``,
@@ -341,6 +343,7 @@ class CampaignState:
             "coverage": coverage.summary(s.get("coverage_features", {}), s.get("coverage_pairs", {})),
             "steered": self.cfg.steer,
             "subjects": subjects,
+            "peer_every": self.cfg.peer_every,
             "devices": devices,
             "failures": failures,
             "known": s["known"],

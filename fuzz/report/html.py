@@ -212,6 +212,7 @@ def render_html(rep: CampaignReport) -> str:
         coverage_rows=_coverage_rows(d),
         op_stats=_op_stats(d),
         steered=d.get("steered"),
+        peer_every=d.get("peer_every"),
         has_outcomes="outcome_counts" in d,
         has_captures="sequence_captures" in d,
         sequence_captures=d.get("sequence_captures") or {},

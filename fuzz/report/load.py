@@ -3,8 +3,8 @@
 The shape is checked with a JSON Schema (:data:`REPORT_SCHEMA`, by the
 ``jsonschema`` library): the fields that schema 1 always had are required,
 the fields schema 2 added (``known``, ``throughput``, ``timeline``,
-``shard``, ``exit_status``, crash/timeout failures, later ``coverage`` and
-``steered``) are optional, so that an older report still loads and its
+``shard``, ``exit_status``, crash/timeout failures, later ``coverage``,
+``steered`` and ``peer_every``) are optional, so that an older report still loads and its
 missing sections say so.
 """
 
@@ -54,6 +54,8 @@ REPORT_SCHEMA: dict[str, Any] = {
             "properties": {"features": _COUNTS, "pairs": _COUNTS, "feature_groups": _GROUPS, "pair_groups": _GROUPS},
         },
         "steered": {"type": "boolean"},
+        # peers ran on one program in this many (null: merged shards that differed)
+        "peer_every": {"type": ["integer", "null"], "minimum": 1},
         "subjects": _STRINGS,
         "devices": _STRINGS,
         "failures": {

@@ -55,6 +55,7 @@ def _schema2() -> dict[str, Any]:
         "budget_s": 60.0,
         "elapsed_s": 40.0,
         "programs_run": 500,
+        "peer_every": 4,
         "op_counts": {"mul": 120, "sin": 80, "neg": 3},
         "feature_counts": {"hook:tensor.zero": 11, "mode:grad": 40},
         "coverage": {
@@ -165,7 +166,8 @@ def test_html_summary_and_tables_hold_the_report_numbers(page2):
     text = re.sub(r"<[^>]+>", " ", page)
     text = re.sub(r"\s+", " ", text)
     for expected in ("seed 7", "programs run 500", "programs / s 12.50", "workers 2", "shard 1/2", "exit status 1",
-                     "4 signature(s), hit by 8 program(s)", "1 signature(s), hit by 9 program(s)"):
+                     "4 signature(s), hit by 8 program(s)", "1 signature(s), hit by 9 program(s)",
+                     "torch's compiled autograd) ran on one program in 4"):
         assert expected in text
     # failures table: status, kind, ops, shrink, and the one-line detail of each outcome
     for expected in ("leaf 0 grad: Tensor-likes are not close!", "SIGABRT: core dumped", "no answer within 30 s",

@@ -54,6 +54,7 @@ def test_two_shards_merged_find_what_one_campaign_finds(tmp_path: Path) -> None:
     assert {f["signature"] for f in merged["failures"]} == {f["signature"] for f in one["failures"]}
     assert all(f["signature"].startswith("broken[mul]@cpu mismatch value") for f in one["failures"])
     assert merged["programs_run"] == sum(p["programs_run"] for p in parts)
+    assert [p["peer_every"] for p in parts] == [4, 4] and merged["peer_every"] == 4
     assert len({f["signature"] for f in merged["failures"]}) == len(merged["failures"])  # deduplicated
     for f in merged["failures"]:
         assert (tmp_path / "m" / f["reproducer"]).exists()
@@ -119,3 +120,21 @@ def test_bad_shard_and_merge_inputs_are_usage_errors(tmp_path: Path) -> None:
     (tmp_path / "junk" / "report.json").write_text("{not json")
     result = CliRunner().invoke(main, ["merge", str(tmp_path / "junk"), "--out", str(tmp_path / "m")])
     assert result.exit_code == 2 and "junk/report.json" in result.output
+
+
+def test_merged_shards_that_sampled_the_peers_differently_say_so(tmp_path: Path) -> None:
+    """``peer_every`` of a merge: the shards' common value, None where they
+    differ, 1 for a report written before the field existed."""
+    from fuzz.campaign.state import REPORT_SCHEMA
+    from fuzz.merge import merge_outputs
+
+    def out(name: str, **extra: int) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "report.json").write_text(json.dumps({"schema": REPORT_SCHEMA, "programs_run": 3, "failures": [], **extra}))
+        return d
+
+    a, b, old = out("a", peer_every=4), out("b", peer_every=2), out("old")
+    assert merge_outputs([a, out("a2", peer_every=4)], tmp_path / "m1")["peer_every"] == 4
+    assert merge_outputs([a, b], tmp_path / "m2")["peer_every"] is None
+    assert merge_outputs([old, out("old2")], tmp_path / "m3")["peer_every"] == 1

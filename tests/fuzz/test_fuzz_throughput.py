@@ -202,3 +202,40 @@ def test_config_reads_reuse_the_last_text_only_for_the_same_objects() -> None:
     finally:
         cfg.recompile_limit = old
     assert before.diff(global_state.capture()) == []
+
+
+def test_a_round_runs_the_peers_on_one_program_in_peer_every(tmp_path: Any) -> None:
+    """``peer_every=3``: torch's compiled autograd runs on programs 0, 3 and 6
+    of a 7-program round, cagrad on all 7; ``peer_every=1``: both on all."""
+    from fuzz.campaign.config import CampaignConfig
+    from fuzz.campaign.rounds import RoundRunner
+    from fuzz.strategies import GenConfig
+
+    gen = GenConfig(max_ops=3, hooks=False, shapes=False, training=False, checkpoint=False)
+    ran: dict[int, collections.Counter[str]] = {}
+    for every in (3, 1):
+        counts: collections.Counter[str] = collections.Counter()
+
+        def emit(event: str, payload: dict[str, Any], _counts: collections.Counter[str] = counts) -> None:
+            if event == "ran":
+                for o in payload["outcomes"]:
+                    _counts[o["where"]] += 1
+
+        cfg = CampaignConfig(budget_s=1e9, seed=2, out=tmp_path, gen=gen, round_size=7, devices=["cpu"],
+                             subjects=["cagrad[eager]", "torch_ca[eager]"], peer_every=every)  # fmt: skip
+        RoundRunner(cfg, emit, lambda: None, lambda: None).run_round(0, 0, float("inf"))
+        ran[every] = counts
+    assert ran[3] == {"cagrad[eager]@cpu": 7, "torch_ca[eager]@cpu": 3}
+    assert ran[1] == {"cagrad[eager]@cpu": 7, "torch_ca[eager]@cpu": 7}
+
+
+def test_an_oracle_without_its_peers_still_runs_a_peer_named_alone() -> None:
+    """``peers=False`` leaves torch's compiled autograd out beside cagrad, and
+    runs it where it is the only subject (nothing else would run)."""
+    program = Program(leaves=(Leaf("x0", (3,), "float64"),), ops=(Op("v0", "sin", ("x0",)),), roots=("v0",), seed=1)
+    both = Oracle(["cagrad[eager]", "torch_ca[eager]"], devices=["cpu"])
+    assert [s.name for s in both.peers] == ["torch_ca[eager]"]
+    verdict = both.run(program, peers=False)
+    assert [o.subject for o in verdict.report.outcomes] == ["cagrad[eager]"]
+    alone = Oracle(["torch_ca[eager]"], devices=["cpu"])
+    assert [o.subject for o in alone.run(program, peers=False).report.outcomes] == ["torch_ca[eager]"]
