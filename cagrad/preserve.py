@@ -168,9 +168,11 @@ def _configs() -> list[_ConfigRead]:
 
 
 def _unchanged(now: dict[str, Any], saved: dict[str, Any]) -> bool:
-    """Whether two reads of a config hold equal values for every key."""
+    """Whether two reads of a config hold equal values of the same types
+    for every key (``8`` and ``8.0`` are equal but not the same value; a
+    container's items are compared by ``==`` alone)."""
     try:
-        return bool(now == saved)
+        return bool(now == saved) and list(map(type, now.values())) == list(map(type, saved.values()))
     except Exception:  # noqa: BLE001 - a value without a usable __eq__: compared key by key
         return False
 
@@ -178,6 +180,8 @@ def _unchanged(now: dict[str, Any], saved: dict[str, Any]) -> bool:
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
+    if type(a) is not type(b):
+        return False
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a value without a usable __eq__

@@ -98,3 +98,17 @@ def test_no_full_config_copy_where_torch_caches_its_export(monkeypatch: pytest.M
         torch._dynamo.config.recompile_limit += 1
     assert calls == []
     assert torch._dynamo.config.recompile_limit == limit
+
+
+def test_a_value_set_to_an_equal_one_of_another_type_is_put_back() -> None:
+    """``8 -> 8.0`` compares equal but is another value (the state oracle
+    reports it, ``harness/global_state.py``): put back with its type."""
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    assert type(before) is int
+    try:
+        with preserved():
+            config.recompile_limit = float(before)
+        assert type(config.recompile_limit) is int and config.recompile_limit == before
+    finally:
+        config.recompile_limit = before
