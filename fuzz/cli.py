@@ -101,7 +101,8 @@ def main() -> None:
     default=None,
     metavar="KIND.ACTION,...",
     help="Draw hooks only of these kinds and actions (e.g. 'tensor.pure_scale,tensor.pure_shift': hooks "
-    "cagrad traces into its graph); default: every one.",
+    "cagrad traces into its graph); default: every one but the opt-in 'pre.pure_scale' and 'post.pure_scale' "
+    "(pure node hooks, drawn only when named).",
 )
 @click.option(
     "--shapes/--no-shapes",

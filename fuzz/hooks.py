@@ -75,8 +75,36 @@ def tensor_hook(trace: list, hook: Hook) -> Any:
     return fn
 
 
+def _pure_node_hook(arg: Any, post: bool) -> Any:
+    # multiplies each gradient it gets (a pre-hook's grad_outputs, a
+    # post-hook's grad_inputs) by the number ``arg`` and reads nothing else;
+    # a loop, not a comprehension (nested code), so that cagrad traces it
+    # (cagrad.hooks.hook_tracing). fuzz.render writes the same code.
+    if post:
+
+        def fn(grad_inputs, grad_outputs):
+            out = ()
+            for g in grad_inputs:
+                out = out + ((None if g is None else g * arg),)
+            return out
+
+        return fn
+
+    def fn(grad_outputs):
+        out = ()
+        for g in grad_outputs:
+            out = out + ((None if g is None else g * arg),)
+        return out
+
+    return fn
+
+
 def pre_hook(trace: list, hook: Hook) -> Any:
     label, action, arg = hook.label, hook.action, hook.arg
+    if action == "pure_scale":
+        fn = _pure_node_hook(arg, post=False)
+        fn.__name__ = hook.name
+        return fn
 
     def fn(grad_outputs):
         trace.append((label, _copies(grad_outputs)))
@@ -90,6 +118,10 @@ def pre_hook(trace: list, hook: Hook) -> Any:
 
 def post_hook(trace: list, hook: Hook) -> Any:
     label, action, arg = hook.label, hook.action, hook.arg
+    if action == "pure_scale":
+        fn = _pure_node_hook(arg, post=True)
+        fn.__name__ = hook.name
+        return fn
 
     def fn(grad_inputs, grad_outputs):
         trace.append((label, (_copies(grad_inputs), _copies(grad_outputs))))

@@ -71,7 +71,7 @@ from fuzz.ir_check import IRError, base_name
 from fuzz.ir_check import expect as _expect
 from fuzz.ir_check import is_int as _is_int
 from fuzz.ir_graph import DoubleBackward, FuncTerm
-from fuzz.ir_types import DTYPES, HOOK_KINDS, LOSSES, MODES, Hook, Leaf, Op, Shape, ValueInfo
+from fuzz.ir_types import DEFAULT_HOOK_ACTIONS, DTYPES, HOOK_KINDS, LOSSES, MODES, Hook, Leaf, Op, Shape, ValueInfo
 from fuzz.ir_validate import check_hook, check_resizes, infer_outputs, inplace_conflicts, validate
 
 SCHEMA_VERSION = 2
@@ -353,6 +353,7 @@ def _parse_program(data: Any) -> Program:
 
 __all__ = [
     "DTYPES",
+    "DEFAULT_HOOK_ACTIONS",
     "HOOK_KINDS",
     "Hook",
     "IRError",

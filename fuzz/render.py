@@ -80,6 +80,17 @@ def _hook_lines(hook: Hook) -> list[str]:
                 f"torch.autograd.Variable._execution_engine.queue_callback(lambda: trace.append(({hook.label + ' callback'!r}, seen)))",
             ]
         return [f"def {name}(g):", *("    " + b for b in body), f"{target}.register_hook({name})"]
+    if hook.kind in ("pre", "post") and hook.action == "pure_scale":
+        args, grads = ("grad_outputs", "grad_outputs") if hook.kind == "pre" else ("grad_inputs, grad_outputs", "grad_inputs")
+        register = "register_prehook" if hook.kind == "pre" else "register_hook"
+        return [
+            f"def {name}({args}):",
+            "    out = ()",
+            f"    for g in {grads}:",
+            f"        out = out + ((None if g is None else g * {hook.arg!r}),)",
+            "    return out",
+            f"{target}.grad_fn.{register}({name})",
+        ]
     if hook.kind == "pre":
         body = [f"trace.append(({label}, tuple({_COPY.format('g')} for g in grad_outputs)))"]
         if hook.action == "scale":

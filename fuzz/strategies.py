@@ -47,6 +47,7 @@ from fuzz import training_gen
 from fuzz.draws import rare
 from fuzz.ir import (
     DTYPES,
+    DEFAULT_HOOK_ACTIONS,
     HOOK_KINDS,
     LOSSES,
     MODES,
@@ -81,7 +82,8 @@ class GenConfig:
     repeat: bool = True  # now and then two backwards with retain_graph=True
     hooks: bool = True  # most programs get hooks (see _draw_hooks)
     max_hooks: int = 4
-    # "kind.action" pairs to draw hooks from (None: every one in HOOK_KINDS),
+    # "kind.action" pairs to draw hooks from (None: every one in
+    # DEFAULT_HOOK_ACTIONS; named here, also the opt-in ones of HOOK_KINDS),
     # e.g. to leave out what a peer subject does not support
     hook_actions: tuple[str, ...] | None = None
     # At most one retain_grad() per tensor. A second call is a no-op in
@@ -122,10 +124,9 @@ class GenConfig:
     checkpoint: bool = True
 
     def allowed_actions(self, kind: str) -> list[str]:
-        actions = list(HOOK_KINDS[kind])
         if self.hook_actions is None:
-            return actions
-        return [a for a in actions if f"{kind}.{a}" in self.hook_actions]
+            return list(DEFAULT_HOOK_ACTIONS[kind])
+        return [a for a in HOOK_KINDS[kind] if f"{kind}.{a}" in self.hook_actions]
 
     def op_names(self) -> list[str]:
         names = list(self.ops) if self.ops is not None else list(catalog.OPS)

@@ -508,8 +508,44 @@ def test_pure_hooks_of_a_program_are_traced_and_agree(cagrad_oracle: Oracle) -> 
     _assert_equal(cagrad_oracle, changed)
 
 
+def _pure_node_hooks_program() -> Program:
+    return Program(
+        leaves=(Leaf("x0", (3, 4), "float64"),),
+        ops=(Op("v0", "sin", ("x0",), {}), Op("v1", "mul", ("v0", "v0"), {})),
+        roots=("v1",),
+        seed=3,
+        hooks=(Hook("h0", "pre", "v1", "pure_scale", 2.0), Hook("h1", "post", "v0", "pure_scale", 0.5)),
+    )
+
+
+def test_pure_node_hooks_of_a_program_are_traced_and_agree(cagrad_oracle: Oracle) -> None:
+    """``pre``/``post`` hooks with ``pure_scale`` record nothing, so cagrad
+    traces them into its graph as it does pure tensor hooks; gradients stay
+    eager's, also with another ``arg``."""
+    import cagrad
+
+    program = _pure_node_hooks_program()
+    before = cagrad.counters["hooks_traced"]
+    _assert_equal(cagrad_oracle, program)
+    assert cagrad.counters["hooks_traced"] >= before + 2
+    changed = dataclasses.replace(program, hooks=(dataclasses.replace(program.hooks[0], arg=-3.0), program.hooks[1]))
+    _assert_equal(cagrad_oracle, changed)
+
+
+def test_a_traced_node_pre_hook_that_is_skipped_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted fault in cagrad's traced node pre-hooks (their result
+    dropped) shows as a mismatch on the pure node hook program; the same
+    program agrees without the fault (the test above)."""
+    from cagrad.capture import runtime_ops
+
+    monkeypatch.setattr(runtime_ops, "traced_node_pre_hooks", lambda hooks, grads: list(grads))
+    verdict = Oracle(["cagrad[eager]"], devices=["cpu"]).run(_pure_node_hooks_program())
+    assert not verdict.ok
+    assert [o.status.value for o in verdict.report.outcomes] == ["mismatch"]
+
+
 @settings(max_examples=examples(8), deadline=None, suppress_health_check=list(HealthCheck))
-@given(programs(max_ops=6, hook_actions=("tensor.pure_scale", "tensor.pure_shift")))
+@given(programs(max_ops=6, hook_actions=("tensor.pure_scale", "tensor.pure_shift", "pre.pure_scale", "post.pure_scale")))
 def test_cagrad_agrees_with_eager_on_programs_with_pure_hooks(cagrad_oracle: Oracle, program: Program) -> None:
     _assert_equal(cagrad_oracle, program)
 
