@@ -57,6 +57,10 @@ class Kind(enum.Enum):
 class Phase(enum.IntEnum):
     """Where in a node's steps a resume starts (after which step)."""
 
+    # after the tensor pre-hooks and retain_grad hooks (the last of them, a
+    # resume point only for hooks registered meanwhile: cagrad.hooks.added_hooks):
+    # node pre-hooks next
+    TENSOR_HOOKS = 0
     PRE_HOOKS = 1  # after node pre-hooks: the node runs next
     APPLY = 2  # after the node: post-hooks next
     POST_HOOKS = 3  # after post-hooks: outputs are handed along next
@@ -102,6 +106,9 @@ class NodePlan:
     record: Any = None
 
 
+# in a snapshot's inputs (Phase.TENSOR_HOOKS): the slot the call being
+# recorded fills, named after that call
+THIS_CALL = object()
 # in an opaque call's assumed result: this gradient is None (learnt from an
 # earlier run, see BackwardWalk's ``profile``); anything else is a failed check
 MUST_BE_NONE = "none"
@@ -279,7 +286,10 @@ class BackwardWalk:
                     self._capture(call, inputs)
                     return
                 self._capture(call, inputs)
-            inputs = self._tensor_hooks(hooks, inputs, name, pos)
+            inputs = self._tensor_hooks(hooks, inputs, name, pos, resumable=True)
+            phase, state = Phase.TENSOR_HOOKS, inputs
+        if phase is Phase.TENSOR_HOOKS:
+            inputs = state
             if hooks is not None and hooks.pre is not None:
                 inputs = self.ex.opaque(
                     "node_pre_hooks",
@@ -413,21 +423,38 @@ class BackwardWalk:
         executes = self.task.executes
         return [o if executes(fn) else None for (fn, _), o in zip(call.edges, outs)]
 
-    def _tensor_hooks(self, hooks: NodeHooks | None, inputs: list, name: str, pos: int) -> list:
+    def _tensor_hooks(self, hooks: NodeHooks | None, inputs: list, name: str, pos: int, resumable: bool = False) -> list:
+        """Runs the tensor pre-hooks and retain_grad hooks of node ``pos``.
+        ``resumable``: the last of these calls gets a resume point at
+        ``Phase.TENSOR_HOOKS`` (a run whose user code registered hooks
+        finishes from there, :mod:`cagrad.hooks.added_hooks`); the slot of
+        its own result is :data:`THIS_CALL` in the snapshot's inputs."""
         if hooks is None:
             return inputs
         inputs = list(inputs)
+        calls = len(hooks.tensor_pre) + (0 if self.retain_at_end else len(hooks.retain_grad))
+        done = 0
+
+        def resume(input_nr: int | None) -> Any:
+            if not resumable or done != calls:
+                return None
+            return lambda: self._snapshot(
+                pos, Phase.TENSOR_HOOKS, [THIS_CALL if i == input_nr else g for i, g in enumerate(inputs)]
+            )
+
         for input_nr, obj in hooks.tensor_pre:
             grad = inputs[input_nr]
+            done += 1
             inputs[input_nr] = self.ex.opaque(
-                "tensor_pre_hooks", (Obj(obj), grad), grad, name, None, pos
+                "tensor_pre_hooks", (Obj(obj), grad), grad, name, resume(input_nr), pos
             )
         for input_nr, obj in hooks.retain_grad:
             if self.retain_at_end:
                 if inputs[input_nr] is not None:  # eager's hook ignores an undefined one
                     self.retained.append((obj, inputs[input_nr]))
             else:
-                self.ex.opaque("retain_grad", (Obj(obj), inputs[input_nr]), None, name, None, pos)
+                done += 1
+                self.ex.opaque("retain_grad", (Obj(obj), inputs[input_nr]), None, name, resume(None), pos)
         return inputs
 
     def _capture(self, call: NodeCall, inputs: list) -> None:

@@ -57,7 +57,7 @@ from ..autograd.accumulate import dense_strides
 from ..autograd.graph_task import GraphTask, NodeCall
 from ..autograd.saved_variables import SwapSavedVariables
 from ..autograd.validate import validate_outputs
-from ..autograd.walk import MUST_BE_NONE, PASS, BackwardWalk, Kind, Layout, NodePlan, Obj, ResumePoint
+from ..autograd.walk import MUST_BE_NONE, PASS, THIS_CALL, BackwardWalk, Kind, Layout, NodePlan, Obj, ResumePoint
 from ..counters import counters
 from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from ..hooks import backward_tracing
@@ -712,7 +712,7 @@ class AutogradCompilerInstance:
                 phase,
                 {k: [self._name(v) for v in vs] for k, vs in buffers.items()},
                 [self._name(v) for v in captured],
-                [] if inputs is None else [self._name(v) for v in inputs],
+                [] if inputs is None else [node.name if v is THIS_CALL else self._name(v) for v in inputs],
             )
         return outs
 

@@ -41,7 +41,7 @@ import torch
 import torch.fx
 
 from ..autograd.accumulate import dense_strides
-from ..autograd.walk import MUST_BE_NONE
+from ..autograd.walk import MUST_BE_NONE, Phase
 from ..counters import counters
 from . import leaf_hook_groups, runtime_ops
 from .compiler import OPAQUE_TARGETS, PLACEHOLDERS
@@ -127,13 +127,17 @@ class OpaqueStep:
 class SpeculationFailed(Exception):
     """An opaque call's result failed the trace's assumption: a None, a
     non-strided gradient, or (``layout``) a dense gradient in another
-    dimension order, which eager would hand on as it is."""
+    dimension order, which eager would hand on as it is; or
+    (``hooks_added``) the call registered hooks on nodes that had none and
+    have not run (:mod:`cagrad.hooks.added_hooks`): its result conformed,
+    but the rest of the graph lacks those hooks."""
 
-    def __init__(self, step: OpaqueStep, result: Any, layout: bool = False) -> None:
+    def __init__(self, step: OpaqueStep, result: Any, layout: bool = False, hooks_added: bool = False) -> None:
         super().__init__(step.node.name)
         self.step = step
         self.result = result
         self.layout = layout
+        self.hooks_added = hooks_added
 
 
 # what _conform returns for a dense result in another dimension order than
@@ -536,8 +540,9 @@ def _check(step: OpaqueStep, result: Any, sym_values: Sequence[int], learn: bool
     spec = step.spec
     if spec is None:
         return result
-    # only a call with a resume point can hand its result on as it is
-    learn = learn and step.resume is not None
+    # only a call with a resume point can hand its result on as it is (not
+    # a tensor hook's: its resume point is for hooks it registers alone)
+    learn = learn and step.resume is not None and step.resume.phase is not Phase.TENSOR_HOOKS
     if isinstance(spec, list):
         out = list(result)
         for i, s in enumerate(spec):
@@ -576,6 +581,7 @@ def run(
     learn_layouts: bool = True,
     hand_over: bool = False,
     before_step: Callable[[Segment | OpaqueStep], None] | None = None,
+    hooks_added: Callable[[OpaqueStep], bool] | None = None,
 ) -> list:
     """Runs the steps; returns the graph's outputs.
 
@@ -591,6 +597,10 @@ def run(
     emptied, so that the run holds the only references to the inputs it
     has not released yet (each is dropped after its last reader).
     ``before_step(step)`` is called before each step runs.
+    ``hooks_added(step)``, after each opaque call with a resume point that
+    passed its check: whether it registered hooks the rest of the graph
+    lacks; then ``on_speculation_failed`` finishes the backward
+    (``SpeculationFailed.hooks_added``).
     """
     env: dict[str, Any] = {}
     for name, i in sg.input_reads.items():
@@ -646,6 +656,9 @@ def run(
         env[step.node.name] = result
         for index, name in step.items:
             env[name] = result[index]
+        if hooks_added is not None and step.resume is not None and hooks_added(step):
+            # the resume reads this call's result from env like any value
+            return on_speculation_failed(SpeculationFailed(step, result, hooks_added=True), env)
         del args, result
         _release(env, step.release)
     return [None if n is None else env[n] for n in sg.output]

@@ -66,6 +66,17 @@ _TENSOR_HOOKS_KEY = "_cagrad_tensor_hooks"
 _original_register_hook = getattr(torch.Tensor, "register_hook", None)
 _original_retain_grad = getattr(torch.Tensor, "retain_grad", None)
 _original_node_register_hook = getattr(getattr(_function, "_HookMixin", None), "_register_hook", None)
+_original_post_accumulate = getattr(torch.Tensor, "register_post_accumulate_grad_hook", None)
+
+# hooks registered (tensor, retain_grad, node pre/post, post-accumulate-grad)
+# since import: a backward that runs user code compares it before and after
+# (cagrad.hooks.added_hooks)
+_registrations = 0
+
+
+def registrations() -> int:
+    """How many hooks were registered through the wrapped APIs so far."""
+    return _registrations
 
 
 
@@ -115,6 +126,8 @@ def _note_tensor_hooks(t: torch.Tensor, kind: str) -> None:
 
 
 def _register_hook(self: torch.Tensor, hook: Any) -> Any:
+    global _registrations
+    _registrations += 1
     handle = _original_register_hook(self, hook)
     if isinstance(self, torch.Tensor):
         _note_tensor_hooks(self, "tensor_pre_hook")
@@ -122,20 +135,31 @@ def _register_hook(self: torch.Tensor, hook: Any) -> Any:
 
 
 def _retain_grad(self: torch.Tensor) -> None:
+    global _registrations
+    _registrations += 1
     _original_retain_grad(self)
     if isinstance(self, torch.Tensor) and self.grad_fn is not None:
         _note_tensor_hooks(self, "retain_grad")
 
 
 def _node_register_hook(backward_hooks: Any, hook: Any) -> Any:
+    global _registrations
     hooks, handle = _original_node_register_hook(backward_hooks, hook)
     if not _probing:
+        _registrations += 1
         _node_hook_dicts.add(hooks)
     return hooks, handle
 
 
+def _register_post_accumulate(self: torch.Tensor, hook: Any) -> Any:
+    global _registrations
+    _registrations += 1
+    return _original_post_accumulate(self, hook)
+
+
 _register_hook.__doc__ = getattr(_original_register_hook, "__doc__", None)
 _retain_grad.__doc__ = getattr(_original_retain_grad, "__doc__", None)
+_register_post_accumulate.__doc__ = getattr(_original_post_accumulate, "__doc__", None)
 
 
 def install() -> None:
@@ -145,6 +169,8 @@ def install() -> None:
     torch.Tensor.register_hook = _register_hook  # type: ignore[method-assign]
     torch.Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
     _function._HookMixin._register_hook = staticmethod(_node_register_hook)
+    if _original_post_accumulate is not None:
+        torch.Tensor.register_post_accumulate_grad_hook = _register_post_accumulate  # type: ignore[method-assign]
     saved_variables.install(graphs_alive_at_import=_scan_existing_graphs())
 
 

@@ -20,6 +20,7 @@ from ..autograd.validate import real_metadata, validate_outputs
 from ..autograd.walk import BackwardWalk, NodePlan, Obj
 from ..capture import runtime_ops
 from ..capture.compiler import run_aot_backward
+from ..hooks import added_hooks, hooks_census
 
 
 class Interpreter:
@@ -31,6 +32,9 @@ class Interpreter:
 
     def __init__(self, objects: Sequence[Any]) -> None:
         self.objects = objects
+        #: called with a node's position after each opaque call (user code
+        #: may have registered hooks; see :mod:`cagrad.hooks.added_hooks`)
+        self.after_opaque: Callable[[int], None] | None = None
 
     def metadata(self, fn: Any, input_nr: int) -> tuple:
         return real_metadata(fn, input_nr)
@@ -81,7 +85,10 @@ class Interpreter:
         return a
 
     def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
-        return getattr(runtime_ops, op)(*(self._arg(a) for a in args))
+        out = getattr(runtime_ops, op)(*(self._arg(a) for a in args))
+        if self.after_opaque is not None:
+            self.after_opaque(pos)
+        return out
 
 
 def resume(
@@ -106,8 +113,25 @@ def resume(
     Returns:
         the ``autograd.grad`` results (None where no gradient arrived).
     """
-    walk = BackwardWalk(task, plans, Interpreter(objects), accumulate_at_end)
+    ex = Interpreter(list(objects))
+    walk = BackwardWalk(task, list(plans), ex, accumulate_at_end)
     walk.observe = observe
+    registered = hooks_census.registrations()
+    nodes = [c.node for c in task.order]
+
+    def after_opaque(pos: int) -> None:
+        # a hook registered by the user code just run, on a node that has
+        # not run and had none: its plan gains it (cagrad.hooks.added_hooks)
+        nonlocal registered
+        now = hooks_census.registrations()
+        if now == registered:
+            return
+        registered = now
+        found = added_hooks.plans_with_added(walk.plans, nodes, ex.objects, pos + 1)
+        if found is not None:
+            walk.plans[:], ex.objects[:] = found
+
+    ex.after_opaque = after_opaque
     value = env.__getitem__
     walk.buffers = {
         k: [None if n is None else value(n) for n in names] for k, names in point.buffers.items()
@@ -115,6 +139,9 @@ def resume(
     walk.captured = [None if n is None else value(n) for n in point.captured]
     if point.phase.name == "APPLY":
         state = (result, [None if n is None else value(n) for n in point.inputs])
+    elif point.phase.name == "TENSOR_HOOKS":
+        # the node's inputs after its tensor hooks (the last call's result in env)
+        state = [None if n is None else value(n) for n in point.inputs]
     else:
         state = result
     walk.run(point.pos, point.phase, state)

@@ -29,6 +29,7 @@ from ..capture.shells import shells
 from ..capture.compiler import NON_STRIDED, dimension_order, runtime_objects
 from ..compile.cuda_graphs import BorrowedOutputs
 from ..counters import counters
+from ..hooks import added_hooks, hooks_census
 from ..keys import subclasses
 from . import interpreter
 
@@ -124,9 +125,40 @@ def run_segmented(
     objects = runtime_objects(collected.collector.objects, order, traced.force_opaque)
     resumed: list[list] = []
 
+    registered = hooks_census.registrations()
+    added: list[tuple[list, list]] = []
+
+    def hooks_added(step: Any) -> bool:
+        # user code in the step may have given a node that runs later a hook
+        # dict the key did not see (cagrad.hooks.added_hooks)
+        nonlocal registered
+        now = hooks_census.registrations()
+        if now == registered:
+            return False
+        registered = now
+        point = step.resume
+        # the node of the call itself has steps left, unless its post-hooks ran
+        first = point.pos + 1 if point.phase.name == "POST_HOOKS" else point.pos
+        found = added_hooks.plans_with_added(traced.plans, order, objects, first)
+        if found is not None:
+            added.append(found)
+        return found is not None
+
     def on_speculation_failed(failure: Any, env: dict) -> list:
         step, result = failure.step, failure.result
         counters.bump("deopts")
+        if failure.hooks_added:
+            # nothing to learn for the next capture: the hooks are
+            # registered inside each backward, after its key was read
+            plans, objs = added[-1]
+            log.info(
+                "cagrad: %s registered hooks on nodes that had none; the interpreter finishes this backward",
+                step.node.meta.get("autograd_node", step.node.name),
+            )
+            resumed.append(
+                interpreter.resume(collected.task, plans, objs, step.resume, env, result, False)
+            )
+            return []
         entry.deopts += 1
         point = step.resume
         pattern = _pattern(step, result)
@@ -169,6 +201,7 @@ def run_segmented(
             entry.learn_layouts,
             hand_over=release_early,
             before_step=None if past is None else past.before,
+            hooks_added=hooks_added,
         )
     entry.calls += 1
     if resumed:

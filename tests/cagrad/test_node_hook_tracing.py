@@ -298,16 +298,16 @@ def test_a_node_hook_registered_during_backward_runs():
     assert cagrad.counters["hooks_traced"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (also on main before node hook tracing): a hook registered during a "
-    "compiled backward on a node that had no hook dict when the keys were read is not run",
-)
 def test_a_node_hook_registered_during_backward_on_a_node_without_hooks_runs():
-    expected = _registers_during_backward(False)
-    with cagrad.enable("eager"):
-        actual = _registers_during_backward(False)
-    same(expected, actual)
+    # the node had no hook dict when the key was read: the compiled graph has
+    # no step for it, so the interpreter finishes that backward with the
+    # hook (cagrad.hooks.added_hooks), every time
+    for step in range(3):
+        expected = _registers_during_backward(False)
+        with cagrad.enable("eager"):
+            actual = _registers_during_backward(False)
+        same(expected, actual)
+    assert cagrad.counters["deopts"] == 3 and cagrad.counters["fallbacks"] == 0
 
 
 def test_torch_compiled_autograd_agrees_on_traced_node_hooks():

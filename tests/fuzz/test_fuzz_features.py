@@ -360,9 +360,13 @@ def test_strategies_generate_every_feature() -> None:
 
     collect()
     n = seen["programs"]
-    for kind, actions in HOOK_KINDS.items():
+    from fuzz.ir_types import DEFAULT_HOOK_ACTIONS, OPT_IN_HOOK_ACTIONS
+
+    for kind, actions in DEFAULT_HOOK_ACTIONS.items():
         for action in actions:
             assert seen[f"hook:{kind}.{action}"] >= 3, (kind, action, seen)
+    for kind, action in OPT_IN_HOOK_ACTIONS:  # drawn only when named (--hook-actions)
+        assert seen[f"hook:{kind}.{action}"] == 0
     for feature, at_least in [
         ("ops:custom", 0.1),
         ("ops:inplace_view", 0.1),
