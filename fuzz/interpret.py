@@ -26,7 +26,7 @@ from fuzz import training_run
 from fuzz.hooks import register_hooks
 from fuzz.ir import Leaf, Program
 from harness.capture_rule import SizeVariant
-from harness.program import ProgramRun
+from harness.program import ProgramRun, ThreadTrace
 
 
 def derived_seed(seed: int, key: str) -> int:
@@ -74,7 +74,7 @@ def run_forward(
 
 def build_run(program: Program, device: Any = "cpu") -> ProgramRun:
     values = run_forward(program, device)
-    run = run_from_values(program, values, device, [])
+    run = run_from_values(program, values, device, ThreadTrace())
     if program.train is not None:
         run.driver = training_run.make_driver(program, device, values, run_forward, run_from_values)
     return run

@@ -25,7 +25,7 @@ import torch
 from harness import global_state
 from harness.devices import seeded, synchronize
 from harness.outcome import ErrorInfo
-from harness.program import Program
+from harness.program import Program, ThreadTrace
 from harness.subjects import Subject, counter_deltas, graph_nodes
 
 
@@ -98,6 +98,18 @@ class Execution:
     size_values: tuple[int | None, ...] = ()
     node_types: tuple[str, ...] = ()
     value_dtypes: tuple[torch.dtype, ...] = ()
+
+
+def _trace_snapshot(trace: list) -> list:
+    """``snapshot`` of a trace; a :class:`~harness.program.ThreadTrace` keeps
+    its threads."""
+    copy = snapshot(list(trace))
+    if isinstance(trace, ThreadTrace):
+        out = ThreadTrace()
+        out[:] = copy
+        out.threads = list(trace.threads)
+        return out
+    return copy
 
 
 def snapshot(value: Any) -> Any:
@@ -193,7 +205,7 @@ def _step(
         return StepValues(
             [snapshot(leaf.grad) for leaf in run.leaves],
             [snapshot(g) for g in (result or ())] if run.mode == "grad" else None,
-            snapshot(list(run.trace)),
+            _trace_snapshot(run.trace),
             state_before,
             state_after,
         )

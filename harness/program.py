@@ -22,6 +22,7 @@ oracle compares between subjects (empty when the program registers none).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -42,6 +43,34 @@ class Observation(NamedTuple):
 
     def __repr__(self) -> str:  # as the plain tuple a rendered program records
         return repr(tuple(self))
+
+
+class ThreadTrace(list):
+    """A hook trace that also notes the thread each event was recorded in
+    (``threads[i]``: ``threading.get_ident()`` of event ``i``).
+
+    On CUDA, eager's engine runs a backward's nodes on more than one thread
+    (a device's nodes on its own worker, nodes with only CPU or undefined
+    inputs on the caller's), so events of different threads come in an
+    order that varies from run to run; :func:`harness.compare.compare_trace`
+    then asks only for each thread's order. Example::
+
+        trace = ThreadTrace()
+        trace.append(("h0", g))            # trace.threads == [<this thread>]
+    """
+
+    def __init__(self, events: Any = ()) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+        self.extend(events)
+
+    def append(self, event: Any) -> None:
+        self.threads.append(threading.get_ident())
+        super().append(event)
+
+    def extend(self, events: Any) -> None:
+        for event in events:
+            self.append(event)
 
 
 @dataclasses.dataclass

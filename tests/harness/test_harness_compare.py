@@ -91,3 +91,43 @@ def test_strides_are_compared_only_when_the_environment_asks(monkeypatch):
     assert compare_tensor(torch.ones(3).expand(2, 3), torch.ones(2, 3), "x", tol) is None
     # values are checked first
     assert "strides" not in compare_tensor(eager, subject + 1, "x", tol).detail
+
+
+def _threaded(events, threads):
+    from harness.program import ThreadTrace
+
+    trace = ThreadTrace(events)
+    trace.threads = list(threads)
+    return trace
+
+
+def test_a_trace_recorded_in_two_threads_asks_only_for_each_hooks_order():
+    # eager on CUDA: the order of independent nodes' hooks varies between runs
+    a, b = ("h0 pre v1", torch.ones(2)), ("h1 pre v2", torch.zeros(3))
+    a2 = ("h0 pre v1", torch.full((2,), 5.0))  # h0's second call
+    eager = _threaded([a, b, a2], [7, 8, 7])
+    for order in ([a, b, a2], [b, a, a2], [a, a2, b]):
+        assert compare_trace(eager, list(order), tol, FLOAT_TOL) == [], order
+    # h0's own two calls swapped: a difference
+    ms = compare_trace(eager, [a2, b, a], tol, FLOAT_TOL)
+    assert [m.where for m in ms] == ["trace[0][1]", "trace[2][1]"]
+    # an event eager did not record: compared position by position
+    ms = compare_trace(eager, [b, a, ("h9 post v1", torch.ones(2))], tol, FLOAT_TOL)
+    assert ms and ms[0].where == "trace[0][0]"
+    # one thread (eager on CPU): every position is eager's
+    ms = compare_trace(_threaded([a, b, a2], [7, 7, 7]), [b, a, a2], tol, FLOAT_TOL)
+    assert ms and ms[0].where == "trace[0][0]"
+
+
+def test_a_thread_trace_notes_the_recording_thread():
+    import threading
+
+    from harness.program import ThreadTrace
+
+    trace = ThreadTrace()
+    trace.append(("here", 1))
+    worker = threading.Thread(target=lambda: trace.append(("there", 2)))
+    worker.start()
+    worker.join(timeout=60)
+    assert [e[0] for e in trace] == ["here", "there"]
+    assert trace.threads[0] == threading.get_ident() and trace.threads[1] != trace.threads[0]
