@@ -251,7 +251,7 @@ def compare_trace(
     A length difference is reported as ``"trace length"``, and the common
     prefix is still compared entry by entry; an
     :class:`~harness.program.Observation` is labelled by its own label.
-    Where eager recorded events in more than one thread (a
+    Where eager recorded an event off the thread that ran the program (a
     :class:`~harness.program.ThreadTrace`: eager's engine on CUDA runs a
     device's nodes on a worker thread, fed by the caller's thread, so the
     order of nodes that do not depend on each other varies from run to run,
@@ -264,7 +264,7 @@ def compare_trace(
     out: list[Mismatch] = []
     if len(expected) != len(actual):
         out.append(Mismatch("trace length", f"eager recorded {len(expected)} events, subject {len(actual)}"))
-    expected = _as_interleaved(expected, actual)
+    expected = _in_subject_order(expected, actual)
     for i, (e, a) in enumerate(zip(expected, actual)):
         if isinstance(e, Observation) and isinstance(a, Observation) and e.label == a.label:
             out.extend(compare_structure(e.value, a.value, e.label, tolerance, float_tolerance))
@@ -281,13 +281,14 @@ def _label(event: Any) -> Any:
     return None
 
 
-def _as_interleaved(expected: Sequence[Any], actual: Sequence[Any]) -> Sequence[Any]:
-    """``expected`` in ``actual``'s order where eager recorded on more than
-    one thread and ``actual`` holds the same events by label, each label's
-    events in eager's order (the k-th event of a label is matched with
-    eager's k-th); else ``expected``."""
+def _in_subject_order(expected: Sequence[Any], actual: Sequence[Any]) -> Sequence[Any]:
+    """``expected`` in ``actual``'s order where eager recorded an event off
+    the thread that ran the program and ``actual`` holds the same events by
+    label, each label's events in eager's order (the k-th event of a label
+    is matched with eager's k-th); else ``expected``."""
     threads = getattr(expected, "threads", None)
-    if not threads or len(set(threads)) < 2 or len(expected) != len(actual):
+    owner = getattr(expected, "owner", None)
+    if not threads or len(expected) != len(actual) or all(t == owner for t in threads):
         return expected
     by_label: dict[Any, list[int]] = {}
     for i in reversed(range(len(expected))):

@@ -107,7 +107,7 @@ def _trace_snapshot(trace: list) -> list:
     if isinstance(trace, ThreadTrace):
         out = ThreadTrace()
         out[:] = copy
-        out.threads = list(trace.threads)
+        out.threads, out.owner = list(trace.threads), trace.owner
         return out
     return copy
 

@@ -47,20 +47,22 @@ class Observation(NamedTuple):
 
 class ThreadTrace(list):
     """A hook trace that also notes the thread each event was recorded in
-    (``threads[i]``: ``threading.get_ident()`` of event ``i``).
+    (``threads[i]``: ``threading.get_ident()`` of event ``i``) and the
+    thread that made it (``owner``, the one that runs the program).
 
-    On CUDA, eager's engine runs a backward's nodes on more than one thread
-    (a device's nodes on its own worker, nodes with only CPU or undefined
-    inputs on the caller's), so events of different threads come in an
-    order that varies from run to run; :func:`harness.compare.compare_trace`
-    then asks only for each thread's order. Example::
+    On CUDA, eager's engine runs a device's nodes on a worker thread that
+    the caller's thread feeds, so the order of the hooks of nodes that do
+    not depend on each other varies from run to run; where an event was
+    recorded off the owner's thread, :func:`harness.compare.compare_trace`
+    asks only for each hook's own order. Example::
 
         trace = ThreadTrace()
-        trace.append(("h0", g))            # trace.threads == [<this thread>]
+        trace.append(("h0", g))            # trace.threads == [trace.owner]
     """
 
     def __init__(self, events: Any = ()) -> None:
         super().__init__()
+        self.owner = threading.get_ident()
         self.threads: list[int] = []
         self.extend(events)
 
