@@ -108,3 +108,19 @@ def built():
             pytest.fail("a C++ compiler is installed but the cagrad extension did not build (see the cagrad warning)")
         pytest.skip("no C++ compiler: the extension cannot be built")
     return native.metadata_fns()
+
+
+def same_with_side_effects(run, seen: list, compiler="eager", calls: int = 3) -> None:
+    """``run()`` (returning a list of gradients) under eager and then under
+    ``cagrad.enable(compiler)`` gives the same gradients, and its side effect
+    (appending to ``seen``) runs ``calls`` times in each, with the same values."""
+    expected = run()
+    eager_seen = list(seen)
+    seen.clear()
+    with cagrad.enable(compiler):
+        actual = run()
+    for a, b in zip(expected, actual):
+        same(a, b)
+    assert len(seen) == len(eager_seen) == calls
+    for a, b in zip(seen, eager_seen):
+        same(a, b)

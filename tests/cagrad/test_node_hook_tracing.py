@@ -18,7 +18,7 @@ import torch
 import cagrad
 from cagrad.capture.compiler import OPAQUE_TARGETS
 
-from .conftest import same
+from .conftest import same, same_with_side_effects
 
 
 def _opaque_calls(events) -> list[str]:
@@ -49,22 +49,6 @@ def _steps(register, steps: int = 3, sizes=(4, 4, 4)):
         grads.append(w.grad)
         w.grad = None
     return grads
-
-
-def _same_gradients_and_side_effects(register, seen: list) -> None:
-    """:func:`_steps` in eager and under cagrad give the same gradients, and
-    the side effect (appending to ``seen``) runs on all 3 backwards of each,
-    with the same values."""
-    expected = _steps(register)
-    eager_seen = list(seen)
-    seen.clear()
-    with cagrad.enable("eager"):
-        actual = _steps(register)
-    for a, b in zip(expected, actual):
-        same(a, b)
-    assert len(seen) == len(eager_seen) == 3
-    for a, b in zip(seen, eager_seen):
-        same(a, b)
 
 
 def _check(register, compiler, steps: int = 3, sizes=(4, 4, 4)):
@@ -166,7 +150,7 @@ def test_a_node_hook_with_a_side_effect_stays_opaque_and_runs_every_backward(cap
         t.grad_fn.register_hook(lambda gi, go: seen.append(gi[0].clone()))
         h.grad_fn.register_prehook(lambda go: (go[0] * 2,))  # pure
 
-    _same_gradients_and_side_effects(register, seen)
+    same_with_side_effects(lambda: _steps(register), seen)
     # the impure hook is an opaque call; the pure one beside it is not traced
     # either (the opaque hook could change its dict: Collector.finish)
     assert _opaque_calls(captured) == ["node_post_hooks", "node_pre_hooks", "accumulate"]
@@ -344,7 +328,7 @@ def test_pure_hooks_before_the_first_opaque_hook_stay_traced(captured):
         h.register_hook(lambda g: seen.append(g.clone()))
         return [w.register_hook(lambda g: g - 1)]
 
-    _same_gradients_and_side_effects(register, seen)
+    same_with_side_effects(lambda: _steps(register), seen)
     assert (cagrad.counters["captures"], cagrad.counters["cache_hits"]) == (1, 2)
     assert cagrad.counters["hooks_traced"] == 3
     assert _opaque_calls(captured) == ["tensor_pre_hooks", "tensor_pre_hooks", "accumulate"]

@@ -18,7 +18,7 @@ import cagrad
 from cagrad.capture import runtime_ops
 from cagrad.hooks.hook_tracing import FINGERPRINT_BYTES, fingerprint
 
-from .conftest import same
+from .conftest import same, same_with_side_effects
 
 SCALE = 2.0  # read as a global by a hook below
 
@@ -143,16 +143,7 @@ def test_a_hook_with_side_effects_stays_opaque_and_runs_on_every_backward():
     def hooks(step):
         return (lambda g: seen.append(g.clone()), lambda g: g * 2)
 
-    expected = _steps(hooks)
-    eager_seen = list(seen)
-    seen.clear()
-    with cagrad.enable(rec):
-        actual = _steps(hooks)
-    for a, b in zip(expected, actual):
-        same(a, b)
-    assert len(seen) == len(eager_seen) == 3
-    for a, b in zip(seen, eager_seen):
-        same(a, b)
+    same_with_side_effects(lambda: _steps(hooks), seen, rec)
     # user code runs during the backward, so no hook is traced: both run
     # opaque, between segments compiled one by one
     assert cagrad.counters["hooks_traced"] == 0
