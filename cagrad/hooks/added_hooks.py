@@ -15,7 +15,7 @@ that has not run yet does run::
     t.sum().backward()                       # eager runs post_hook
 
 The runners check for this after every call of user code: the census counts
-every registration (:func:`cagrad.hooks.hooks_census.registrations`); when
+every registration (:class:`cagrad.hooks.hooks_census.Registrations`); when
 the count moved, :func:`plans_with_added` reads the hooks of the nodes that
 have not run yet and, where one gained a dict the plan does not have,
 returns the plans of the rest of the backward with the new dicts added

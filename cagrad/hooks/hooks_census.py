@@ -74,9 +74,21 @@ _original_post_accumulate = getattr(torch.Tensor, "register_post_accumulate_grad
 _registrations = 0
 
 
-def registrations() -> int:
-    """How many hooks were registered through the wrapped APIs so far."""
-    return _registrations
+class Registrations:
+    """One run's view of the registration count: :meth:`moved` says whether
+    a hook was registered through the wrapped APIs since it was made or last
+    said so."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen = _registrations
+
+    def moved(self) -> bool:
+        if _registrations == self._seen:
+            return False
+        self._seen = _registrations
+        return True
 
 
 

@@ -116,17 +116,14 @@ def resume(
     ex = Interpreter(list(objects))
     walk = BackwardWalk(task, list(plans), ex, accumulate_at_end)
     walk.observe = observe
-    registered = hooks_census.registrations()
-    nodes = [c.node for c in task.order]
+    registrations = hooks_census.Registrations()
 
     def after_opaque(pos: int) -> None:
         # a hook registered by the user code just run, on a node that has
         # not run and had none: its plan gains it (cagrad.hooks.added_hooks)
-        nonlocal registered
-        now = hooks_census.registrations()
-        if now == registered:
+        if not registrations.moved():
             return
-        registered = now
+        nodes = [c.node for c in task.order]
         found = added_hooks.plans_with_added(walk.plans, nodes, ex.objects, pos + 1)
         if found is not None:
             walk.plans[:], ex.objects[:] = found

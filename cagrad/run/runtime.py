@@ -125,17 +125,14 @@ def run_segmented(
     objects = runtime_objects(collected.collector.objects, order, traced.force_opaque)
     resumed: list[list] = []
 
-    registered = hooks_census.registrations()
+    registrations = hooks_census.Registrations()
     added: list[tuple[list, list]] = []
 
     def hooks_added(step: Any) -> bool:
         # user code in the step may have given a node that runs later a hook
         # dict the key did not see (cagrad.hooks.added_hooks)
-        nonlocal registered
-        now = hooks_census.registrations()
-        if now == registered:
+        if not registrations.moved():
             return False
-        registered = now
         point = step.resume
         # the node of the call itself has steps left, unless its post-hooks ran
         first = point.pos + 1 if point.phase.name == "POST_HOOKS" else point.pos
