@@ -862,6 +862,7 @@ def _capture(
                 entry = CompiledEntry(compile_graph(traced.graph_module, symbolic, static_first=True), traced)
         entry.state = state
         compiled = [entry.fn] if entry.segmented is None else [seg.fn for seg in entry.segmented.segments]
+        counters.bump("graph_segments", len(compiled))
         direct_compile.link_all(compiled, traced)
         if env is not None:
             added = tighten(traced.check, env, guards_before)

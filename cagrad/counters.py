@@ -26,6 +26,8 @@ _INT_KEYS = (
     # it saw, so that the next backward hits (not captures: no backward was added)
     "segment_compile_failures",  # graph segments run uncompiled after a backend error
     "backend_compiles",  # graphs (whole or segments) a named backend compiled directly
+    "graph_segments",  # compiled graphs per capture or retrace, summed: 1 for a whole
+    # graph, else the segments between its opaque calls (cagrad.capture.segments)
     "dynamo_compiles",  # of those, ones handed to torch.compile instead (Dynamo
     # compiles them on their first call and guards them)
     "nodes_forced_opaque",  # nodes that failed to trace and run as they are in
@@ -53,7 +55,7 @@ class Counters(Mapping[str, Any]):
     Keys: the integer counters ``backwards``, ``captures``, ``cache_hits``,
     ``guard_hits``, ``fallbacks``, ``recompiles_shape``,
     ``recompiles_new_node``, ``recompiles_global_state``, ``deopts``, ``retraces``, ``segment_compile_failures``,
-    ``backend_compiles``, ``dynamo_compiles``, ``nodes_forced_opaque``,
+    ``backend_compiles``, ``graph_segments``, ``dynamo_compiles``, ``nodes_forced_opaque``,
     ``cudagraph_records``, ``cudagraph_replays``, ``cudagraph_skips``,
     ``cudagraph_early_replays``, ``cudagraph_wasted_replays``, ``cudagraph_evictions``,
     ``disk_hits``, ``disk_stores``, ``disk_skips`` (:mod:`cagrad.compile.disk_cache`;

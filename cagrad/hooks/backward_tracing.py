@@ -42,6 +42,16 @@ the ctx reads, so an alias of the ctx (``c = ctx``) is covered too. A
 redefined class, a changed closure value or a changed ``ctx.scale``
 therefore recaptures.
 
+A few of torch's own Functions are accepted by name instead
+(:data:`TORCH_FUNCTIONS`): DTensor's ``from_local``/``to_local`` and
+``redistribute`` backwards, which read private attributes and build specs
+(outside the class above) but only compute: torch.compile traces them too.
+Their fingerprint is their backward's code and every attribute of the ctx
+keyed as subclass metadata (the caller's ``metadata_bytes``:
+:func:`cagrad.keys.subclasses.metadata_bytes`,
+placements by value, the mesh by identity), with a number drawn per process
+(those keys are process-local: never a disk hit in another process).
+
 Tracing reads values only through the key, so it is valid only while no
 other code of the user's that could change them runs before the node in
 the backward (:meth:`cagrad.keys.compiled_node_args.Collector.collect`
@@ -53,14 +63,28 @@ there.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import os
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction, Function, once_differentiable
 
 from . import hook_tracing
+
+#: torch's own Functions whose backward is traced as it is (module, class
+#: qualified name): they only compute, with DTensor's dispatch
+TORCH_FUNCTIONS = frozenset(
+    {
+        ("torch.distributed.tensor._api", "_ToTorchTensor"),
+        ("torch.distributed.tensor._api", "_FromTorchTensor"),
+        ("torch.distributed.tensor._redistribute", "Redistribute"),
+    }
+)
+_PROCESS = os.urandom(8)
 
 #: ctx attributes (of its type) a traced backward may read
 _CTX_READS = frozenset({"saved_tensors", "needs_input_grad"})
@@ -148,13 +172,18 @@ def _ctx_texts(node: Any, attr_names: tuple[str, ...]) -> list[str] | None:
     return out
 
 
-def fingerprint(node: Any, create_graph: bool) -> bytes | None:
+def fingerprint(
+    node: Any, create_graph: bool, metadata_bytes: Callable[[Any], bytes | None] | None = None
+) -> bytes | None:
     """The fingerprint of a custom Function node whose backward this module
     accepts for tracing, else None.
 
     Args:
         node: the ``BackwardCFunction`` (the ctx).
         create_graph: see :func:`user_backward`.
+        metadata_bytes: key bytes of a ctx value of one of
+            :data:`TORCH_FUNCTIONS` (None: unkeyable); without it those
+            run opaque.
 
     Returns:
         :data:`~cagrad.hooks.hook_tracing.FINGERPRINT_BYTES` bytes, equal
@@ -164,6 +193,9 @@ def fingerprint(node: Any, create_graph: bool) -> bytes | None:
     fn = user_backward(node, create_graph)
     if fn is None:
         return None
+    cls = node._forward_cls
+    if (cls.__module__, cls.__qualname__) in TORCH_FUNCTIONS:
+        return None if metadata_bytes is None else _torch_function_fingerprint(node, fn, metadata_bytes)
     static = hook_tracing.analyze(fn.__code__, _ALLOWED)
     if static is None:
         return None
@@ -176,3 +208,19 @@ def fingerprint(node: Any, create_graph: bool) -> bytes | None:
     if ctx is None:
         return None
     return hook_tracing.digest(static, [*parts, "ctx", *ctx])
+
+
+def _torch_function_fingerprint(
+    node: Any, fn: types.FunctionType, metadata_bytes: Callable[[Any], bytes | None]
+) -> bytes | None:
+    h = hashlib.sha256(_PROCESS)
+    h.update(f"{fn.__module__}.{fn.__qualname__}\0{torch.__version__}\0".encode())
+    h.update(fn.__code__.co_code)
+    own = node.__dict__
+    for name in sorted(own):
+        value = metadata_bytes(own[name])
+        if value is None:
+            return None
+        h.update(f"\0{name}\0{len(value)}\0".encode())
+        h.update(value)
+    return h.digest()[: hook_tracing.FINGERPRINT_BYTES]

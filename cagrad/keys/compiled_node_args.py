@@ -52,7 +52,7 @@ from ..hooks import backward_tracing, hook_tracing
 from ..hooks.hooks_census import Census, FoundHooks
 from .cache_key import CacheKey, KeyWriter
 from .sizes import SizeInputs
-from .subclasses import SubclassSpec, flatten, write_subclass
+from .subclasses import SubclassSpec, flatten, metadata_bytes, write_subclass
 
 _STRIDED = torch.strided
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -347,7 +347,7 @@ class Collector:
                         "not cagrad's and a BackwardState",
                     )
             if not self.user_code:
-                fp = backward_tracing.fingerprint(node, run_context.create_graph())
+                fp = backward_tracing.fingerprint(node, run_context.create_graph(), metadata_bytes)
                 if fp is not None and self._claim_custom(node):
                     # traced unless its own hooks run user code before it
                     self._custom_fp[call.id] = fp

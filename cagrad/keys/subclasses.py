@@ -14,18 +14,29 @@ gradient the graph returns as a subclass (a subclass leaf's) is returned as
 its inner tensors and rebuilt after the graph ran (:func:`rebuild`).
 
 The key (:func:`write_subclass`) holds the class by module and qualified
-name, the flatten metadata ``ctx`` (constants only: None, bools, ints,
-floats, strings, dtypes, devices, tuples, lists and dicts with string keys
-of those), the outer tensor's requires_grad, dtype, device, rank and its
-sizes, strides and offset (size slots that stay static), then each inner
-tensor by name, as any lifted tensor is keyed. What the key cannot pin
-raises :class:`~cagrad.errors.Unsupported` (reason ``tensor_subclass``, or
-``nested_tensor`` for a jagged layout).
+name, the flatten metadata ``ctx`` (constants: None, bools, ints, floats,
+strings, dtypes, devices, sizes, tuples, named tuples, dataclass instances
+field by field, lists and dicts with string keys of those; a
+``DeviceMesh`` as the object itself; any other hashable value with an
+``__eq__`` of its own, such as DTensor's placements since torch 2.13, as
+the number of its equality class, see :class:`Interned`), the outer
+tensor's requires_grad, dtype,
+device, rank and its sizes, strides and offset (size slots that stay
+static), then each inner tensor by name, as any lifted tensor is keyed. An
+inner value that is not a tensor (DTensor's ``device_mesh``, an opaque
+object since torch 2.13) is kept in the spec as it is and keyed by
+identity. What the key cannot pin raises :class:`~cagrad.errors.Unsupported`
+(reason ``tensor_subclass``, or ``nested_tensor`` for a jagged layout).
+
+Equal metadata is taken to mean equal dispatch: torch.compile's guards on a
+subclass input compare ``ctx`` with ``==`` as well
+(``torch/_subclasses/meta_utils.py``, ``torch/_guards.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +66,56 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+class Interned:
+    """Numbers values by equality (``__eq__``/``__hash__``) or identity.
+
+    ``index(v)`` is the same number for equal values and another for values
+    that differ; the table keeps the first value of each class alive, so an
+    identity number is never handed to a later object at the same address.
+    Numbers are per process: graphs keyed with them are never stored on
+    disk (subclass graphs are not).
+
+    Example::
+
+        >>> n = Interned()
+        >>> n.index(("Shard", 0)) == n.index(("Shard", 0))
+        True
+    """
+
+    def __init__(self) -> None:
+        self._by_value: dict[Any, int] = {}
+        self._by_id: dict[int, tuple[Any, int]] = {}
+
+    def index(self, v: Any) -> int:
+        """The number of ``v``'s equality class.
+
+        Raises:
+            TypeError: ``v`` is not hashable.
+        """
+        n = self._by_value.get(v)
+        if n is None:
+            n = self._by_value[v] = len(self._by_value) + len(self._by_id)
+        return n
+
+    def identity(self, v: Any) -> int:
+        """The number of the object ``v`` itself."""
+        held = self._by_id.get(id(v))
+        if held is None or held[0] is not v:
+            held = self._by_id[id(v)] = (v, len(self._by_value) + len(self._by_id))
+        return held[1]
+
+
+_INTERNED = Interned()
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    """An inner value of a subclass that is not a tensor (DTensor's
+    ``device_mesh``): rebuilt as this very object."""
+
+    value: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class SubclassSpec:
     """How to rebuild one subclass tensor from its flattened inner tensors.
@@ -64,16 +125,41 @@ class SubclassSpec:
         ctx: its flatten metadata (constants only).
         names: the inner tensors' attribute names, in flatten order.
         inner: per name, the spec of an inner tensor that is a subclass
-            itself, or None for a plain one (one flat entry).
+            itself, None for a plain one (one flat entry), or an
+            :class:`Opaque` for a value that is not a tensor (no entry).
         size, stride: the outer tensor's sizes and strides (ints).
     """
 
     cls: type
     ctx: Any
     names: tuple[str, ...]
-    inner: tuple[SubclassSpec | None, ...]
+    inner: tuple[SubclassSpec | Opaque | None, ...]
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+
+def write_metadata(w: KeyWriter, ctx: Any) -> None:
+    """Key bytes of a subclass's flatten metadata, or of a value of that
+    kind (DTensor's specs, placements, meshes), as the module docstring
+    describes.
+
+    Raises:
+        Unsupported: ``unkeyable_attribute`` for a value without value
+            equality and a hash, or a dict with keys that are not strings.
+    """
+    _write_ctx(w, ctx)
+
+
+def metadata_bytes(value: Any) -> bytes | None:
+    """:func:`write_metadata`'s bytes for ``value`` alone, or None where it
+    cannot be keyed (the custom Functions of
+    :data:`cagrad.hooks.backward_tracing.TORCH_FUNCTIONS` key their ctx so)."""
+    w = KeyWriter()
+    try:
+        write_metadata(w, value)
+    except Unsupported:
+        return None
+    return w.getvalue()
 
 
 def _write_ctx(w: KeyWriter, ctx: Any) -> None:
@@ -90,8 +176,55 @@ def _write_ctx(w: KeyWriter, ctx: Any) -> None:
         w.size(len(ctx))
         for v in ctx:
             _write_ctx(w, v)
+    elif isinstance(ctx, tuple) and hasattr(type(ctx), "_fields"):
+        w.tag(b"<")
+        w.text(class_name(type(ctx)))
+        w.size(len(ctx))
+        for v in ctx:
+            _write_ctx(w, v)
+    elif dataclasses.is_dataclass(ctx) and not isinstance(ctx, type):
+        fields = dataclasses.fields(ctx)
+        w.tag(b"@")
+        w.text(class_name(type(ctx)))
+        w.size(len(fields))
+        for f in fields:
+            w.text(f.name)
+            _write_ctx(w, getattr(ctx, f.name))
+    elif _is_device_mesh(ctx):
+        _write_identity(w, ctx)
     else:
-        w.value(ctx)
+        try:
+            w.value(ctx)
+        except Unsupported:
+            _write_by_equality(w, ctx)
+
+
+def _is_device_mesh(v: Any) -> bool:
+    # a device mesh is keyed as the object itself: a DTensor rebuilt after
+    # the graph must carry the mesh eager's would (meshes compare equal by
+    # their ranks and names, and may still differ in their process groups)
+    module = sys.modules.get("torch.distributed.device_mesh")
+    mesh_cls = getattr(module, "DeviceMesh", None) if module is not None else None
+    return mesh_cls is not None and isinstance(v, mesh_cls)
+
+
+def _write_identity(w: KeyWriter, v: Any) -> None:
+    w.tag(b"o")
+    w.text(class_name(type(v)))
+    w.size(_INTERNED.identity(v))
+
+
+def _write_by_equality(w: KeyWriter, v: Any) -> None:
+    cls = type(v)
+    if cls.__eq__ is object.__eq__ or cls.__hash__ is None:
+        raise Unsupported("unkeyable_attribute", f"a {cls.__name__} without value equality and a hash")
+    try:
+        n = _INTERNED.index(v)
+    except TypeError as e:
+        raise Unsupported("unkeyable_attribute", f"a {cls.__name__} that cannot be hashed ({e})") from e
+    w.tag(b"=")
+    w.text(class_name(cls))
+    w.size(n)
 
 
 def flatten(t: torch.Tensor, what: str, out: list[torch.Tensor]) -> SubclassSpec | None:
@@ -99,19 +232,19 @@ def flatten(t: torch.Tensor, what: str, out: list[torch.Tensor]) -> SubclassSpec
     wrapper subclass: returns None), else returns its spec.
 
     Raises:
-        Unsupported: an inner value that is not a tensor, or a subclass
-            whose outer sizes are not ints.
+        Unsupported: a subclass whose outer sizes are not ints.
     """
     if not is_wrapper_subclass(t):
         out.append(t)
         return None
     names, ctx = t.__tensor_flatten__()
-    inner = []
+    inner: list[SubclassSpec | Opaque | None] = []
     for name in names:
         value = getattr(t, name)
-        if not isinstance(value, torch.Tensor):
-            raise Unsupported("tensor_subclass", f"{what}.{name} is a {type(value).__name__}, not a tensor")
-        inner.append(flatten(value, f"{what}.{name}", out))
+        if isinstance(value, torch.Tensor):
+            inner.append(flatten(value, f"{what}.{name}", out))
+        else:
+            inner.append(Opaque(value))
     size, stride = _outer_geometry(t, what)
     return SubclassSpec(type(t), ctx, tuple(names), tuple(inner), size, stride)
 
@@ -166,10 +299,12 @@ def write_subclass(w: KeyWriter, t: torch.Tensor, what: str, write_inner: Any) -
     w.size(len(names))
     for name in names:
         value = getattr(t, name)
-        if not isinstance(value, torch.Tensor):
-            raise Unsupported("tensor_subclass", f"{what}.{name} is a {type(value).__name__}, not a tensor")
         w.text(name)
-        write_inner(w, value, f"{what}.{name}")
+        if isinstance(value, torch.Tensor):
+            write_inner(w, value, f"{what}.{name}")
+        else:
+            # an opaque object (DTensor's device mesh): this object itself
+            _write_identity(w, value)
     return (*size, *stride, t.storage_offset())
 
 
@@ -181,6 +316,8 @@ def build(spec: SubclassSpec, flat: Sequence[torch.Tensor], i: int) -> tuple[tor
         if sub is None:
             inner[name] = flat[i]
             i += 1
+        elif isinstance(sub, Opaque):
+            inner[name] = sub.value
         else:
             inner[name], i = build(sub, flat, i)
     return spec.cls.__tensor_unflatten__(inner, spec.ctx, spec.size, spec.stride), i

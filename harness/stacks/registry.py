@@ -22,6 +22,7 @@ CATALOG = (
     "harness.stacks.threads",
     "harness.stacks.ddp",
     "harness.stacks.fsdp",
+    "harness.stacks.tensor_parallel",
 )
 
 

@@ -21,8 +21,9 @@ def _count(o: StackOutcome, key: str) -> str:
 
 
 def render(report: StacksReport) -> Table:
-    """Columns: stack, subject, status, captures, cache hits, fallbacks
-    (cagrad's counter deltas over the run; rank 0's when distributed,
+    """Columns: stack, subject, status, captures, segments (compiled graphs:
+    1 per whole graph, else the segments between its opaque calls), cache
+    hits, fallbacks (cagrad's counter deltas over the run; rank 0's when distributed,
     fallbacks summed over the ranks) and
     detail (max abs diff and first differing value, error, skip reason or
     fallback reasons). A peer's subject is marked ``(peer)`` and its
@@ -32,7 +33,7 @@ def render(report: StacksReport) -> Table:
     failed = len(report.failures())
     title = f"stacks on {report.device}: " + ("all match" if report.ok else f"{failed} failing")
     table = Table(title=Text(title), title_justify="left")
-    for col in ("stack", "subject", "status", "captures", "cache hits", "fallbacks", "detail"):
+    for col in ("stack", "subject", "status", "captures", "segments", "cache hits", "fallbacks", "detail"):
         table.add_column(col, overflow="fold", no_wrap=col in ("stack", "subject", "status"))
     previous = None
     for o in report.outcomes:
@@ -41,6 +42,7 @@ def render(report: StacksReport) -> Table:
             Text(o.subject + (" (peer)" if o.peer else "")),
             Text(o.status.value, style="dim" if o.peer and o.status is not StackStatus.MATCH else _STYLE[o.status]),
             Text(_count(o, "captures")),
+            Text(_count(o, "graph_segments")),
             Text(_count(o, "cache_hits")),
             Text(_count(o, "fallbacks")),
             Text(o.describe()),

@@ -10,8 +10,6 @@ reason of every subclass that falls back, are checked.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -314,38 +312,6 @@ def test_nested_jagged_tensor_falls_back():
     torch.testing.assert_close(x.grad.values(), y.grad.values(), rtol=0, atol=0)
     assert cagrad.counters["captures"] == 0
     assert dict(cagrad.counters["fallback_reasons"]) == {"nested_tensor": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_dtensor_one_rank_falls_back():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    tensor = pytest.importorskip("torch.distributed.tensor")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        mesh = tensor.init_device_mesh("cpu", (1,))
-
-        def make():
-            torch.manual_seed(2)
-            return tensor.distribute_tensor(torch.randn(4, 3), mesh, [tensor.Shard(0)]).requires_grad_(True)
-
-        x, y = make(), make()
-        (y.sin() * y).sum().backward()
-        with cagrad.enable("eager"):
-            (x.sin() * x).sum().backward()
-        assert type(x.grad) is type(y.grad)
-        assert x.grad.placements == y.grad.placements
-        torch.testing.assert_close(x.grad.to_local(), y.grad.to_local(), rtol=0, atol=0)
-    finally:
-        dist.destroy_process_group()
-    assert cagrad.counters["captures"] == 0
-    assert dict(cagrad.counters["fallback_reasons"]) == {"tensor_subclass": 1}
 
 
 def test_matches_torch_compiled_autograd():

@@ -96,7 +96,11 @@ DISTRIBUTED = [
     "fsdp2",
     "fsdp2_no_reshard",
     "fsdp2_grad_accumulation",
+    "tensor_parallel",
 ]
+
+# stacks whose backward compiles as one graph per capture (no opaque call)
+WHOLE_GRAPH = {"ddp_default", "tensor_parallel"}
 
 
 # also in tests/cagrad/test_distributed.py (the default run): here slow only
@@ -110,6 +114,8 @@ def test_distributed_stack_matches_eager_on_every_rank(stack):
     outcome = only(stack, "cagrad[eager]", timeout=TIMEOUT_S)
     assert_match(outcome)
     assert outcome.counts.get("captures", 0) >= 1 and outcome.counts.get("fallbacks", 0) == 0, outcome.counts
+    if stack in WHOLE_GRAPH:
+        assert outcome.counts["graph_segments"] == outcome.counts["captures"], outcome.counts
 
 
 def test_cuda_stack_is_skipped_with_a_reason_on_cpu():
