@@ -28,6 +28,8 @@ Features (what turns off):
                        ``torch._dynamo.compiled_autograd``) does nothing
 ``lazy_cuda``          a CPU backward's compile may initialize CUDA on a
                        machine with a GPU (see :mod:`cagrad.preserve`)
+``nested_tensors``     jagged nested tensors: backwards with one fall back
+                       (``internal:<name>``)
 =====================  ========================================================
 
 The table of every internal is in docs/torch-internals.md;
@@ -48,7 +50,10 @@ from .errors import Unsupported
 
 log = logging.getLogger("cagrad")
 
-FEATURES = ("engine", "custom_function", "generated_nodes", "native", "ddp_hooks", "torch_compat", "lazy_cuda")
+FEATURES = (
+    "engine", "custom_function", "generated_nodes", "native", "ddp_hooks", "torch_compat", "lazy_cuda",
+    "nested_tensors",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,6 +443,27 @@ def _check_preserve_rng_state() -> str | None:
     return None
 
 
+def _check_nested_ints() -> str | None:
+    nt = importlib.import_module("torch.nested._internal.nested_tensor")
+    registry = getattr(nt, "_tensor_symint_registry", None)
+    if registry is None or not hasattr(registry, "__contains__"):
+        return "torch.nested._internal.nested_tensor lacks _tensor_symint_registry"
+    ni = importlib.import_module("torch.nested._internal.nested_int")
+    node = getattr(ni, "NestedIntNode", None)
+    missing = _missing_attrs(node, "NestedIntNode", ("nested_int", "nested_int_coeff", "is_nested_int"))
+    if node is None or missing:
+        return missing or "torch.nested._internal.nested_int lacks NestedIntNode"
+    return None
+
+
+def nested_int_registry() -> Any:
+    """torch's map of offsets (or lengths) tensors to their nested ints, or
+    None where the ``nested_ints`` internal is not as cagrad expects."""
+    if not ok("nested_ints"):
+        return None
+    return importlib.import_module("torch.nested._internal.nested_tensor")._tensor_symint_registry
+
+
 for _entry in (
     Internal(
         "execution_engine",
@@ -534,6 +560,14 @@ for _entry in (
         "cagrad.torch_compat",
         "torch_compat",
         _check_compiled_autograd,
+    ),
+    Internal(
+        "nested_ints",
+        "torch.nested._internal.nested_tensor._tensor_symint_registry (offsets -> nested int), "
+        "torch.nested._internal.nested_int.NestedIntNode (nested_int, nested_int_coeff, is_nested_int)",
+        "cagrad.keys.sizes, cagrad.keys.subclasses, cagrad.capture.compiler",
+        "nested_tensors",
+        _check_nested_ints,
     ),
     Internal(
         "dynamo_preserve_rng_state",

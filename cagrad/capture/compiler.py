@@ -478,6 +478,11 @@ class AutogradCompilerInstance:
         if isinstance(t, LiftedShell) and not self.symbolic:
             # a trace after the run freed the tensor (cagrad.capture.shells)
             shape, stride, offset = list(t.shape), list(t.stride()), t.storage_offset()
+        elif not self.symbolic and _holds_nested_int(t):
+            # from_tensor would describe its nested int, which a fake mode
+            # without a ShapeEnv cannot make: a fake of its own (the jagged
+            # tensor rebuilt from it gets the captured nested int)
+            shape, stride, offset = list(t.shape), list(t.stride()), t.storage_offset()
         elif not self.symbolic:
             fake = self.fake_mode.from_tensor(t)
             if id(fake) not in handed_out:
@@ -561,7 +566,7 @@ class AutogradCompilerInstance:
             raise NodeTraceFailed(f"trace_failed:{name}", f"{type(e).__name__}: {e}", pos) from e
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         for g in outs:
-            if g is not None and g.layout is not torch.strided:
+            if g is not None and g.layout is not torch.strided and not subclasses.is_wrapper_subclass(g):
                 # (EmbeddingBackward0 with sparse=True): the node runs as it
                 # is, and its gradient is checked where it returns (see
                 # cagrad.capture.segments: it may reach .grad, not a traced op)
@@ -974,3 +979,14 @@ def _prune(graph: torch.fx.Graph, placeholder: str) -> list[int]:
 def _aliases_input(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[bool]:
     storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
     return [StorageWeakRef(o.untyped_storage()) in storages for o in outputs]
+
+
+def _holds_nested_int(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a nested tensor's offsets (or lengths), holding its
+    nested int, or a view of a nested tensor or of such a tensor (a
+    ``values()`` saved for a node)."""
+    registry = internals.nested_int_registry()
+    if registry is None:
+        return False
+    base = t._base
+    return t in registry or (base is not None and (base.is_nested or base in registry))

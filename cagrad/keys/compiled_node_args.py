@@ -152,13 +152,16 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs, dy
 def write_input_metadata(w: KeyWriter, md: Any, what: str, sizes: SizeInputs) -> int:
     """One ``_input_metadata`` entry: the shape, dtype, device a node expects.
 
-    The shape becomes size slots; returns the first.
+    The shape becomes size slots; returns the first. A jagged nested
+    tensor's shape holds a nested int (static slots keyed by structure:
+    :meth:`~cagrad.keys.sizes.SizeInputs.nested_marker`).
 
     Raises:
-        Unsupported: for nested tensors.
+        Unsupported: ``nested_tensor`` for a C++ nested tensor
+            (``torch.nested`` with the strided layout).
     """
-    if md.is_nested_tensor:
-        raise Unsupported("nested_tensor", f"{what} receives a nested tensor")
+    if md.is_nested_tensor and getattr(md, "is_cpp_nested_tensor", True):
+        raise Unsupported("nested_tensor", f"{what} receives a nested tensor of the strided layout")
     shape = md.shape
     w.size(len(shape))
     w.dtype(md.dtype)

@@ -29,31 +29,63 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import sympy
+import torch
 from torch.utils._sympy.printers import PythonPrinter
 
 _MAX_DYNAMIC = 1 << 62  # values beyond this (INT64_MAX slice ends) stay static
 
 
+def is_nested_int(v: Any) -> bool:
+    """Whether ``v`` is a nested tensor's nested int (``j1``, ``3*j1``), a
+    SymInt whose node says so (``torch.nested._internal.nested_int``)."""
+    if type(v) is int or not isinstance(v, torch.SymInt):
+        return False
+    check = getattr(v.node, "is_nested_int", None)
+    return bool(check is not None and check())
+
+
 class SizeInputs:
     """The size slots of one backward, in collection order.
+
+    A nested tensor's nested int (``j1``, ``3*j1``: a jagged dimension's
+    size or a stride over it, one per offsets tensor) takes a static slot
+    whose value is a negative marker (:meth:`nested_marker`): the number of
+    its nested int among those this backward met, in order, and its
+    coefficient. Equal markers mean the same jagged structure (which nested
+    tensors share offsets), whatever the nested ints' names in the process.
 
     Attributes:
         values: one int per slot.
         dynamic_ok: whether each slot may become a symbol.
         origins: ``(first slot, description)`` per group of slots, for logs.
+        nested: nested int id -> its number in this backward.
     """
 
-    __slots__ = ("values", "dynamic_ok", "origins")
+    __slots__ = ("values", "dynamic_ok", "origins", "nested")
 
     def __init__(self) -> None:
         self.values: list[int] = []
         self.dynamic_ok: list[bool] = []
         self.origins: list[tuple[int, str]] = []
+        self.nested: dict[int, int] = {}
 
-    def add(self, values: Sequence[int], dynamic_ok: bool, origin: str) -> int:
-        """Appends slots; returns the index of the first."""
+    def nested_marker(self, v: Any) -> int:
+        """The slot value of nested int ``v`` (a SymInt whose node is a
+        ``NestedIntNode``): ``-1 - (number << 32 | coefficient)``, below
+        every size, stride and offset."""
+        node = v.node
+        n = self.nested.setdefault(node.nested_int(), len(self.nested))
+        return -1 - (n << 32 | node.nested_int_coeff())
+
+    def add(self, values: Sequence[Any], dynamic_ok: bool, origin: str) -> int:
+        """Appends slots; returns the index of the first. Nested ints
+        become static :meth:`nested_marker` slots (all of the group's
+        slots static)."""
         start = len(self.values)
         self.origins.append((start, origin))
+        if any(is_nested_int(v) for v in values):
+            values = [self.nested_marker(v) if is_nested_int(v) else v for v in values]
+            dynamic_ok = False
         self.values.extend(values)
         if dynamic_ok:
             self.dynamic_ok.extend(0 <= v < _MAX_DYNAMIC for v in values)

@@ -25,8 +25,13 @@ device, rank and its sizes, strides and offset (size slots that stay
 static), then each inner tensor by name, as any lifted tensor is keyed. An
 inner value that is not a tensor (DTensor's ``device_mesh``, an opaque
 object since torch 2.13) is kept in the spec as it is and keyed by
-identity. What the key cannot pin raises :class:`~cagrad.errors.Unsupported`
-(reason ``tensor_subclass``, or ``nested_tensor`` for a jagged layout).
+identity. A jagged nested tensor (``torch.nested`` with
+``layout=torch.jagged``) is such a subclass: its values, offsets and
+cached sequence-length tensors are its inner tensors, and the nested ints
+of its outer sizes and strides are keyed by structure, not by name (which
+nested tensors share offsets: :meth:`cagrad.keys.sizes.SizeInputs.nested_marker`).
+What the key cannot pin raises :class:`~cagrad.errors.Unsupported`
+(reason ``tensor_subclass``).
 
 Equal metadata is taken to mean equal dispatch: torch.compile's guards on a
 subclass input compare ``ctx`` with ``==`` as well
@@ -42,8 +47,10 @@ from typing import Any
 
 import torch
 
+from .. import internals
 from ..errors import Unsupported
 from .cache_key import KeyWriter
+from .sizes import is_nested_int
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -232,7 +239,8 @@ def flatten(t: torch.Tensor, what: str, out: list[torch.Tensor]) -> SubclassSpec
     wrapper subclass: returns None), else returns its spec.
 
     Raises:
-        Unsupported: a subclass whose outer sizes are not ints.
+        Unsupported: a subclass whose outer sizes are not ints or nested
+            ints.
     """
     if not is_wrapper_subclass(t):
         out.append(t)
@@ -251,7 +259,7 @@ def flatten(t: torch.Tensor, what: str, out: list[torch.Tensor]) -> SubclassSpec
 
 def _outer_geometry(t: torch.Tensor, what: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     size, stride = tuple(t.shape), tuple(t.stride())
-    if not all(type(v) is int for v in (*size, *stride)):
+    if not all(type(v) is int or is_nested_int(v) for v in (*size, *stride)):
         raise Unsupported("tensor_subclass", f"{what} is a {type(t).__name__} with symbolic sizes or strides")
     return size, stride
 
@@ -261,17 +269,22 @@ def write_subclass(w: KeyWriter, t: torch.Tensor, what: str, write_inner: Any) -
     each inner tensor (the caller's plain-tensor writer). Returns the outer
     sizes, strides and offset, for the caller's static size slots.
 
+    Outer sizes and strides may hold nested ints (a jagged nested tensor's
+    ``j1``); the caller's size slots key them by structure
+    (:meth:`cagrad.keys.sizes.SizeInputs.nested_marker`).
+
     Raises:
         Unsupported: ``tensor_subclass`` for a subclass that is not a
-            traceable wrapper subclass, a class defined inside a function
-            (its name does not identify it), flatten metadata that is not a
-            constant, symbolic outer sizes; ``nested_tensor`` for a jagged
-            layout; ``non_strided_tensor`` for another non-strided layout.
+            traceable wrapper subclass (a C++ nested tensor included), a
+            class defined inside a function (its name does not identify
+            it), flatten metadata that is not a constant, symbolic outer
+            sizes other than nested ints; ``non_strided_tensor`` for a
+            layout other than strided and jagged; ``internal:nested_ints``
+            for a jagged one where torch's nested ints are not as cagrad
+            expects.
     """
     cls = type(t)
     jagged = getattr(torch, "jagged", None)
-    if jagged is not None and t.layout is jagged:
-        raise Unsupported("nested_tensor", f"{what} is a nested tensor (layout torch.jagged)")
     if not is_wrapper_subclass(t):
         raise Unsupported(
             "tensor_subclass",
@@ -280,7 +293,9 @@ def write_subclass(w: KeyWriter, t: torch.Tensor, what: str, write_inner: Any) -
     if "<locals>" in cls.__qualname__:
         raise Unsupported("tensor_subclass", f"{what} is a {cls.__qualname__}, a class defined inside a function")
     if t.layout is not torch.strided:
-        raise Unsupported("non_strided_tensor", f"{what} is a {cls.__name__} with layout {t.layout}")
+        if jagged is None or t.layout is not jagged:
+            raise Unsupported("non_strided_tensor", f"{what} is a {cls.__name__} with layout {t.layout}")
+        internals.require("nested_tensors")
     size, stride = _outer_geometry(t, what)
     names, ctx = t.__tensor_flatten__()
     w.tag(b"S" if not t.requires_grad else b"R")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..autograd import run_context, saved_variables
-from ..autograd.accumulate import accumulate_all, dense_strides, stealable_outputs
+from ..autograd.accumulate import accumulate_all, accumulate_grad, dense_strides, stealable_outputs
 from ..autograd.walk import Kind
 from ..capture import runtime_ops, segments
 from ..capture.shells import shells
@@ -93,9 +93,22 @@ def finish_whole(
         accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), never)
         return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
     stealable = stealable_outputs(outs, traced.aliases_input)
-    if traced.output_specs is not None:
-        outs, stealable = subclasses.rebuild(traced.output_specs, outs, stealable)
-    accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
+    if traced.output_specs is None:
+        accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
+        return [None if i is None else outs[i] for i in traced.capture_outputs]
+    outs, stealable = subclasses.rebuild(traced.output_specs, outs, stealable)
+    if any(order[pos].variable.is_nested for pos, _ in traced.leaf_outputs):
+        # a jagged leaf gets eager's own AccumulateGrad (its layout check
+        # reads the strides a jagged tensor may not have: torch 2.13
+        # accumulates, then raises), every leaf in run order
+        with torch.no_grad():
+            for pos, i in traced.leaf_outputs:
+                if order[pos].variable.is_nested:
+                    order[pos](outs[i])
+                else:
+                    accumulate_grad(order[pos].variable, outs[i], stealable[i], False)
+    else:
+        accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
     return [None if i is None else outs[i] for i in traced.capture_outputs]
 
 

@@ -297,23 +297,6 @@ def test_subclass_with_hook_falls_back():
     assert seen == [TwoTensor, TwoTensor]
 
 
-def test_nested_jagged_tensor_falls_back():
-    def make():
-        torch.manual_seed(1)
-        return torch.nested.nested_tensor(
-            [torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged, requires_grad=True
-        )
-
-    x, y = make(), make()
-    (y.sin() * y).values().sum().backward()
-    with cagrad.enable("eager"):
-        (x.sin() * x).values().sum().backward()
-    assert type(x.grad) is type(y.grad)
-    torch.testing.assert_close(x.grad.values(), y.grad.values(), rtol=0, atol=0)
-    assert cagrad.counters["captures"] == 0
-    assert dict(cagrad.counters["fallback_reasons"]) == {"nested_tensor": 1}
-
-
 def test_matches_torch_compiled_autograd():
     # torch's own compiled autograd on the same program: same .grad
     ca = pytest.importorskip("torch._dynamo.compiled_autograd")
