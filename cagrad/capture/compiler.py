@@ -677,6 +677,8 @@ class AutogradCompilerInstance:
         # whose call or hook it is (a segmented run releases the saved
         # tensors of every earlier node before it: cagrad.run.runtime)
         node.meta["cagrad_pos"] = pos
+        if op == "accumulate" and args[2] is not None and args[2].index in self.collector.ddp_python_hooks:
+            node.meta["cagrad_ddp_python_hooks"] = True
         if result is None:
             return None
         if isinstance(result, list):

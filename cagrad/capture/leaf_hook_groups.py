@@ -1,4 +1,4 @@
-"""Grouping the accumulations of leaves whose only hooks are C++ post hooks.
+"""Grouping the accumulations of leaves whose only hooks are DDP's.
 
 DDP's reducer adds a C++ post hook to every parameter's AccumulateGrad
 (:mod:`cagrad.hooks.cpp_hooks`), so a DDP backward's graph has an opaque
@@ -22,6 +22,17 @@ eager. The default, 1 MiB, is DDP's first bucket's size
 (``torch.distributed`` ``_DEFAULT_FIRST_BUCKET_BYTES``; later buckets are
 25 MiB), so communication still overlaps the backward's compute.
 
+In python-reducer mode (``torch._dynamo.config.optimize_ddp =
+"python_reducer"``) DDP reduces in a Python post-accumulate-grad hook on
+each parameter (:func:`cagrad.hooks.cpp_hooks.is_ddp_python_hook`): it
+all-reduces its own parameter's ``.grad`` and copies the result into it,
+reading and writing nothing else of the backward. An accumulation whose
+post-accumulate-grad dict holds such hooks only (the collector marks it,
+and its key says so) moves the same way; any other Python hook (an
+optimizer step in the backward changes a parameter a later node may read)
+keeps every call in place. The collectives keep their order, so every rank
+still issues the same sequence.
+
 ``CAGRAD_LEAF_HOOK_GROUP_BYTES`` sets the size in bytes at capture (0: a
 segment per accumulation, as before).
 """
@@ -38,7 +49,8 @@ from . import runtime_ops
 DEFAULT_GROUP_BYTES = 1 << 20
 
 # the opaque calls that may move later: a leaf's accumulation without
-# Python post-accumulate-grad hooks, and C++ post hooks on a leaf
+# Python post-accumulate-grad hooks (or with DDP's python-reducer hooks
+# only), and C++ post hooks on a leaf
 _MOVABLE = (runtime_ops.accumulate, runtime_ops.cpp_post_hooks)
 
 
@@ -66,7 +78,10 @@ def _movable(node: torch.fx.Node, opaque: frozenset) -> bool | None:
     if node.op != "call_function" or node.target not in opaque:
         return None
     if node.target is runtime_ops.accumulate and (len(node.args) != 3 or node.args[2] is not None):
-        return False  # Python post-accumulate-grad hooks: user code
+        # Python post-accumulate-grad hooks: user code, unless they are DDP's
+        # python-reducer hooks only (each reduces its own parameter's .grad)
+        if not node.meta.get("cagrad_ddp_python_hooks"):
+            return False
     return node.target in _MOVABLE and not node.users
 
 

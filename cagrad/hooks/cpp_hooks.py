@@ -35,6 +35,7 @@ falls back to eager (``invisible_hooks``).
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import weakref
@@ -45,6 +46,27 @@ import torch
 _lock = threading.Lock()
 # id(param) -> (weakref to the param, [ReducerHook, ...])
 _hooks: dict[int, tuple[weakref.ref, list[ReducerHook]]] = {}
+
+
+#: DDP's Python post-accumulate-grad hook in python-reducer mode
+#: (``DistributedDataParallel._register_accum_grad_hook``), by module and name
+_DDP_PYTHON_HOOK = (
+    "torch.nn.parallel.distributed",
+    "DistributedDataParallel._register_accum_grad_hook.<locals>.compiled_accum_grad_hook",
+)
+
+
+def is_ddp_python_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the post-accumulate-grad hook DDP registers on a
+    parameter in python-reducer mode: a ``functools.partial`` of
+    ``compiled_accum_grad_hook`` with the parameter's index. It divides its
+    own parameter's ``.grad`` by the world size, all-reduces it (or runs the
+    module's comm hooks on it) and copies the result into that ``.grad``: it
+    reads and writes no other tensor of the backward."""
+    if type(hook) is not functools.partial:
+        return False
+    fn = hook.func
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == _DDP_PYTHON_HOOK
 
 
 class ReducerHook:

@@ -48,7 +48,7 @@ from ..autograd.node_schema import NodeKind, NodeSchema
 from ..autograd.saved_variables import Slot
 from ..autograd.walk import Kind, NodeHooks, NodePlan
 from ..errors import EagerError, Unsupported
-from ..hooks import backward_tracing, hook_tracing
+from ..hooks import backward_tracing, cpp_hooks, hook_tracing
 from ..hooks.hooks_census import Census, FoundHooks
 from .cache_key import CacheKey, KeyWriter
 from .sizes import SizeInputs
@@ -202,6 +202,10 @@ class Collector:
             (:mod:`cagrad.run.host`).
         leaves: ``(variable, first size slot)`` of each accumulated leaf,
             for :meth:`marked_dynamic_slots`.
+        ddp_python_hooks: object indices of the post-accumulate-grad dicts
+            that hold DDP's python-reducer hooks only
+            (:func:`cagrad.hooks.cpp_hooks.is_ddp_python_hook`; their key
+            says so).
     """
 
     def __init__(self, task: GraphTask, census: Census) -> None:
@@ -225,6 +229,7 @@ class Collector:
         self.attr_slots: dict[tuple[int, str], Any] = {}
         self.output_slots: dict[tuple[int, int], int] = {}
         self.leaves: list[tuple[torch.Tensor, int]] = []
+        self.ddp_python_hooks: set[int] = set()
         # NodeCall.id -> fingerprint of a custom Function chosen for tracing
         # in _plan (decided in collect, once its hooks are known)
         self._custom_fp: dict[int, bytes] = {}
@@ -604,6 +609,11 @@ class Collector:
         d = found.post_accumulate
         if d:
             w.size(len(d))
+            if all(cpp_hooks.is_ddp_python_hook(h) for h in d.values()):
+                # DDP's python-reducer hooks only: movable with the
+                # accumulations (cagrad.capture.leaf_hook_groups)
+                w.tag(b"D")
+                self.ddp_python_hooks.add(len(self.objects))
             hooks.post_accumulate = self.obj(d)
             self._user_code(_AT_APPLY)
         else:

@@ -15,7 +15,7 @@ from cagrad.capture import leaf_hook_groups, runtime_ops
 from cagrad.capture.compiler import OPAQUE_TARGETS
 
 
-def _graph(grad_sizes, other_opaque=None, post_hooks=False):
+def _graph(grad_sizes, other_opaque=None, post_hooks=False, ddp_python=False):
     """inputs -> a chain of ops; after op k, leaf k's accumulation of its
     result (``grad_sizes[k]`` float32 elements, None: no traced value) and
     the leaf's C++ hooks, each read from ``hooks`` just before its call, as
@@ -32,7 +32,9 @@ def _graph(grad_sizes, other_opaque=None, post_hooks=False):
         ops.append(x)
         leaf = g.call_function(operator.getitem, (hooks, 2 * k))
         post = g.call_function(operator.getitem, (hooks, 99)) if post_hooks and k == 1 else None
-        g.call_function(runtime_ops.accumulate, (leaf, x, post))
+        acc = g.call_function(runtime_ops.accumulate, (leaf, x, post))
+        if ddp_python and post is not None:
+            acc.meta["cagrad_ddp_python_hooks"] = True  # as the capture marks them
         if k == other_opaque:
             g.call_function(runtime_ops.tensor_pre_hooks, (leaf, x))
         cpp = g.call_function(operator.getitem, (hooks, 2 * k + 1))
@@ -86,6 +88,42 @@ def test_graphs_with_user_code_between_or_a_zero_limit_keep_their_order(limit, c
     g, _ = _graph([10, 10, 10], other_opaque=1 if case == "other_opaque" else None, post_hooks=case == "post_hooks")
     limit(0 if case == "zero" else 1000)
     assert leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS) == list(g.nodes)
+
+
+def test_ddp_python_reducer_hooks_move_with_their_accumulation(limit):
+    # post-accumulate-grad hooks the collector found to be DDP's
+    # python-reducer hooks only: movable, unlike the user's (above)
+    g, _ = _graph([10, 10, 10], post_hooks=True, ddp_python=True)
+    limit(1000)
+    assert _kinds(leaf_hook_groups.ordered_nodes(g, OPAQUE_TARGETS)) == "sss" + "ahahah"
+
+
+def test_a_users_post_accumulate_hook_keeps_its_place_end_to_end():
+    # eager: p's accumulation runs before the r * q branch (created first,
+    # lower sequence numbers); its hook scales q's storage (through .data:
+    # no version bump), so r's gradient reads the scaled q. Moved after the
+    # tensor ops, the hook would run too late: r.grad would differ
+    import cagrad
+
+    def run(compiled):
+        p, q, r = (torch.full((3,), v, requires_grad=True) for v in (1.0, 2.0, 3.0))
+        def scale_q(t):
+            q.data.mul_(10)
+
+        p.register_post_accumulate_grad_hook(scale_q)
+        loss = (r * q).sum() + (p * 3).sum()
+        if compiled:
+            with cagrad.enable("eager"):
+                loss.backward()
+        else:
+            loss.backward()
+        return r.grad
+
+    expected = run(False)
+    assert torch.equal(expected, torch.full((3,), 20.0))  # the scaled q
+    for _ in range(2):
+        torch.testing.assert_close(run(True), expected, rtol=0, atol=0)
+    assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["captures"] == 1
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1.5"])
