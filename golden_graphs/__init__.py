@@ -15,6 +15,7 @@ rewrites snapshots (:mod:`~golden_graphs.accept`).
 ``feature_scenarios`` one scenario per feature (hooks, custom Functions, ...)
 ``model_scenarios`` small real models (CNN, transformer, LSTM, embedding)
 ``fault_scenarios`` one scenario per fault class of the planted-fault study
+``subclass_scenarios`` tensor subclasses (TwoTensor, a jagged nested tensor)
 ``key_fields``     named fields of each cache key, recorded as written; field diffs
 ``markdown``       the pull-request review artifact
 ``normalize``      FX graph -> stable text lines
@@ -27,7 +28,7 @@ rewrites snapshots (:mod:`~golden_graphs.accept`).
 =================  ==========================================================
 """
 
-from . import fault_scenarios, feature_scenarios, model_scenarios  # noqa: F401 - they register scenarios
+from . import fault_scenarios, feature_scenarios, model_scenarios, subclass_scenarios  # noqa: F401 - they register scenarios
 from .snapshot import Snapshot, SnapshotError, parse, render
 
 __all__ = ["Snapshot", "SnapshotError", "parse", "render"]
