@@ -134,7 +134,7 @@ def write_tensor(w: KeyWriter, t: torch.Tensor, what: str, sizes: SizeInputs, dy
         geometry = write_subclass(
             w, t, what, lambda w_, inner, what_: write_tensor(w_, inner, what_, sizes, False)
         )
-        return sizes.add(geometry, False, what)
+        return sizes.add_static(geometry, what)
     transforms.check_tensor(t, what)
     if t.layout is not _STRIDED:
         raise Unsupported("non_strided_tensor", f"{what} has layout {t.layout}")
@@ -166,6 +166,8 @@ def write_input_metadata(w: KeyWriter, md: Any, what: str, sizes: SizeInputs) ->
     w.size(len(shape))
     w.dtype(md.dtype)
     w.device(md.device)
+    if md.is_nested_tensor:
+        return sizes.add_static(shape, what)
     return sizes.add(shape, True, what)
 
 

@@ -77,15 +77,16 @@ class SizeInputs:
         n = self.nested.setdefault(node.nested_int(), len(self.nested))
         return -1 - (n << 32 | node.nested_int_coeff())
 
-    def add(self, values: Sequence[Any], dynamic_ok: bool, origin: str) -> int:
-        """Appends slots; returns the index of the first. Nested ints
-        become static :meth:`nested_marker` slots (all of the group's
-        slots static)."""
+    def add_static(self, values: Sequence[Any], origin: str) -> int:
+        """:meth:`add` of static slots whose values may hold nested ints (a
+        subclass's outer geometry, a jagged input's shape): each becomes
+        its :meth:`nested_marker`."""
+        return self.add([self.nested_marker(v) if is_nested_int(v) else v for v in values], False, origin)
+
+    def add(self, values: Sequence[int], dynamic_ok: bool, origin: str) -> int:
+        """Appends slots; returns the index of the first."""
         start = len(self.values)
         self.origins.append((start, origin))
-        if any(is_nested_int(v) for v in values):
-            values = [self.nested_marker(v) if is_nested_int(v) else v for v in values]
-            dynamic_ok = False
         self.values.extend(values)
         if dynamic_ok:
             self.dynamic_ok.extend(0 <= v < _MAX_DYNAMIC for v in values)

@@ -223,12 +223,13 @@ def _write_identity(w: KeyWriter, v: Any) -> None:
 
 def _write_by_equality(w: KeyWriter, v: Any) -> None:
     cls = type(v)
-    if cls.__eq__ is object.__eq__ or cls.__hash__ is None:
+    if isinstance(v, torch.Tensor) or cls.__eq__ is object.__eq__ or cls.__hash__ is None:
+        # (a tensor's == is elementwise and its hash its identity)
         raise Unsupported("unkeyable_attribute", f"a {cls.__name__} without value equality and a hash")
     try:
         n = _INTERNED.index(v)
-    except TypeError as e:
-        raise Unsupported("unkeyable_attribute", f"a {cls.__name__} that cannot be hashed ({e})") from e
+    except Exception as e:  # noqa: BLE001 - a hash or == of the user's that raises
+        raise Unsupported("unkeyable_attribute", f"a {cls.__name__} that cannot be hashed or compared ({e})") from e
     w.tag(b"=")
     w.text(class_name(cls))
     w.size(n)

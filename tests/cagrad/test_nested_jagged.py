@@ -133,18 +133,18 @@ def test_nested_ints_are_keyed_by_structure():
     a, b = _njt((2, 4), 0), _njt((1, 1), 1)
     j1, j2 = a.shape[1], b.shape[1]
     first, second = SizeInputs(), SizeInputs()
-    first.add([2, j1, 3], False, "a")
-    first.add([j1 * 3, 3, 1, j2], False, "b")
+    first.add_static([2, j1, 3], "a")
+    first.add_static([j1 * 3, 3, 1, j2], "b")
     # the same structure with the roles of the nested ints swapped
-    second.add([2, j2, 3], False, "a")
-    second.add([j2 * 3, 3, 1, j1], False, "b")
+    second.add_static([2, j2, 3], "a")
+    second.add_static([j2 * 3, 3, 1, j1], "b")
     assert first.values == second.values
     assert first.values[1] != first.values[3] != first.values[6]  # j1, 3*j1, j2: three markers
     assert all(v < 0 for v in (first.values[1], first.values[3], first.values[6]))
     assert not any(first.dynamic_ok)
     shared = SizeInputs()
-    shared.add([2, j1, 3], False, "a")
-    shared.add([j1 * 3, 3, 1, j1], False, "b")
+    shared.add_static([2, j1, 3], "a")
+    shared.add_static([j1 * 3, 3, 1, j1], "b")
     assert shared.values != first.values
 
 

@@ -80,6 +80,38 @@ if TwoTensor is not None:
         def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
             return UnkeyableTwoTensor(inner["a"], inner["b"], outer_size, outer_stride)
 
+    class TensorCtxTwoTensor(TwoTensor):
+        """A TwoTensor whose flatten metadata holds a tensor (hashable by
+        identity, compared elementwise: not a value cagrad can key)."""
+
+        scale = torch.ones(2)
+
+        def __tensor_flatten__(self):
+            names, _ = super().__tensor_flatten__()
+            return names, {"scale": self.scale}
+
+        @staticmethod
+        def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+            return TensorCtxTwoTensor(inner["a"], inner["b"], outer_size, outer_stride)
+
+    class HashRaisesTwoTensor(TwoTensor):
+        """A TwoTensor whose flatten metadata's hash raises."""
+
+        class Meta:
+            def __eq__(self, other):
+                return True
+
+            def __hash__(self):
+                raise ValueError("no hash today")
+
+        def __tensor_flatten__(self):
+            names, _ = super().__tensor_flatten__()
+            return names, self.Meta()
+
+        @staticmethod
+        def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+            return HashRaisesTwoTensor(inner["a"], inner["b"], outer_size, outer_stride)
+
 
 class PlainSubclass(torch.Tensor):
     """A subclass with no ``__torch_dispatch__`` and no flatten protocol."""
@@ -253,8 +285,9 @@ def _falls_back(fn, x, reason):
     assert dict(cagrad.counters["fallback_reasons"]) == {reason: 1}, dict(cagrad.counters["fallback_reasons"])
 
 
-def test_unkeyable_flatten_metadata_falls_back():
-    _falls_back(lambda x: (x * x).sum(), _two((3,), cls=UnkeyableTwoTensor), "tensor_subclass")
+@pytest.mark.parametrize("name", ["UnkeyableTwoTensor", "TensorCtxTwoTensor", "HashRaisesTwoTensor"])
+def test_unkeyable_flatten_metadata_falls_back(name):
+    _falls_back(lambda x: (x * x).sum(), _two((3,), cls=globals()[name]), "tensor_subclass")
 
 
 def test_subclass_without_flatten_protocol_falls_back():
