@@ -1,26 +1,32 @@
 """Grouping the accumulations of leaves whose only hooks are DDP's.
 
-DDP's reducer adds a C++ post hook to every parameter's AccumulateGrad
-(:mod:`cagrad.hooks.cpp_hooks`), so a DDP backward's graph has an opaque
-accumulation, then an opaque call of the reducer's hooks, for every
-parameter; cut at each of them (:func:`cagrad.capture.segments.split`), an
-8-layer MLP became 16 segments of a few ops each, and their calls cost more
-than the ops.
+A graph with opaque calls accumulates its leaves in order, inside the graph
+(the user's code in an opaque call may read ``.grad``), so each leaf's
+accumulation is an opaque call too; DDP's reducer adds a C++ post hook to
+every parameter's AccumulateGrad (:mod:`cagrad.hooks.cpp_hooks`), one more
+opaque call per parameter. Cut at each of them
+(:func:`cagrad.capture.segments.split`), an 8-layer DDP MLP became 16
+segments of a few ops each, and their calls cost more than the ops.
 
-Where every opaque call of a graph is such an accumulation or such hooks,
-nothing the user wrote runs between them and the tensor ops: the reducer's
-hook reads its own parameter's ``.grad`` and marks it ready; when all of a
-bucket's parameters are ready it launches the bucket's allreduce. Their
-effects depend on the order of the accumulations and hooks, which eager's
-run order fixes, and not on where the tensor ops fall between them. So
-:func:`ordered_nodes` moves each accumulation and its hooks later, in their
-order, to the first point where the gradients still waiting add up to
-:func:`group_bytes`; the tensor ops between merge into one segment. The
-gradients and every ``.grad`` are eager's; what changes is when each bucket's
-allreduce can start: at most ``group_bytes`` of gradients later than in
-eager. The default, 1 MiB, is DDP's first bucket's size
-(``torch.distributed`` ``_DEFAULT_FIRST_BUCKET_BYTES``; later buckets are
-25 MiB), so communication still overlaps the backward's compute.
+An accumulation without Python post-accumulate-grad hooks and the C++ hooks
+on a leaf are *movable*: they read and write that leaf's ``.grad`` (and the
+reducer's bookkeeping: its hook marks the gradient ready and, once a
+bucket's parameters are all ready, launches the bucket's allreduce), which
+no tensor op of the graph reads (traced code reads no ``.grad``: traced
+hooks and custom Functions read their gradients and constants only). Their
+effects depend on their order among themselves and the graph's other
+opaque calls, which eager's run order fixes, and not on where the tensor
+ops fall between them. So :func:`ordered_nodes` moves each movable call
+later, in order, to the first point where the gradients still waiting add
+up to :func:`group_bytes`, or to just before the next opaque call that is
+not movable (a hook of the user's, a node run as it is, a checkpoint's
+recomputation), whichever comes first; the tensor ops between merge into
+one segment. The gradients and every ``.grad`` are eager's when any of the
+user's code runs; what changes is when each bucket's allreduce can start:
+at most ``group_bytes`` of gradients later than in eager. The default,
+1 MiB, is DDP's first bucket's size (``torch.distributed``
+``_DEFAULT_FIRST_BUCKET_BYTES``; later buckets are 25 MiB), so
+communication still overlaps the backward's compute.
 
 In python-reducer mode (``torch._dynamo.config.optimize_ddp =
 "python_reducer"``) DDP reduces in a Python post-accumulate-grad hook on
@@ -86,16 +92,22 @@ def _movable(node: torch.fx.Node, opaque: frozenset) -> bool | None:
 
 
 def _grad_bytes(node: torch.fx.Node) -> int | None:
-    """The bytes of an accumulation's gradient, from the trace's value;
-    None where unknown (symbolic sizes)."""
+    """The bytes of an accumulation's gradient, from the trace's value; for
+    symbolic sizes, from the capture's sizes (the symbols' hints, read
+    without adding a guard: where a group ends is a matter of speed only);
+    None where unknown."""
     grad = node.args[1]
     val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return 0 if grad is None else None
-    try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, ValueError, RuntimeError):  # a SymInt without a hint
-        return None
+    numel = val.numel()
+    if not isinstance(numel, int):
+        # int() of a SymInt would guard on its value and specialize the graph
+        hint = getattr(getattr(numel, "node", None), "hint", None)
+        if not isinstance(hint, int):
+            return None
+        numel = hint
+    return numel * val.element_size()
 
 
 def _reads_placeholder(node: torch.fx.Node) -> bool:
@@ -109,17 +121,17 @@ def _reads_placeholder(node: torch.fx.Node) -> bool:
 
 def ordered_nodes(graph: torch.fx.Graph, opaque: frozenset) -> list[torch.fx.Node]:
     """``graph``'s nodes in the order :func:`~cagrad.capture.segments.split`
-    cuts them: as they are, unless every opaque call (``opaque``: the
-    targets that are) is a movable accumulation or C++ leaf hooks; then each
-    moves later as the module docstring says. A move keeps every node after
-    its inputs: a moved call's result has no users.
+    cuts them: each movable opaque call (``opaque``: the targets that are
+    opaque) moves later as the module docstring says, never past another
+    opaque call. A move keeps every node after its inputs: a moved call's
+    result has no users.
 
     Raises:
         ValueError: ``CAGRAD_LEAF_HOOK_GROUP_BYTES`` is malformed.
     """
     nodes = list(graph.nodes)
     kinds = [_movable(n, opaque) for n in nodes]
-    if False in kinds or True not in kinds:
+    if True not in kinds:
         return nodes
     limit = group_bytes()
     if limit == 0:
@@ -134,7 +146,11 @@ def ordered_nodes(graph: torch.fx.Graph, opaque: frozenset) -> list[torch.fx.Nod
                 size = _grad_bytes(node)
                 waiting_bytes += limit if size is None else size
             continue
-        if waiting and (waiting_bytes >= limit and not _reads_placeholder(node) or node.op == "output"):
+        if waiting and (
+            waiting_bytes >= limit and not _reads_placeholder(node) or node.op == "output" or kind is False
+        ):
+            # (never past another opaque call: the user's code there keeps
+            # seeing the .grad values and reducer state eager's order gives)
             out.extend(waiting)
             waiting, waiting_bytes = [], 0
         out.append(node)
