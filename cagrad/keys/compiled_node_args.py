@@ -158,7 +158,9 @@ def write_input_metadata(w: KeyWriter, md: Any, what: str, sizes: SizeInputs) ->
 
     Raises:
         Unsupported: ``nested_tensor`` for a C++ nested tensor
-            (``torch.nested`` with the strided layout).
+            (``torch.nested`` with the strided layout);
+            ``internal:nested_ints`` for a jagged one where torch's nested
+            ints are not as cagrad expects.
     """
     if md.is_nested_tensor and getattr(md, "is_cpp_nested_tensor", True):
         raise Unsupported("nested_tensor", f"{what} receives a nested tensor of the strided layout")
@@ -167,6 +169,7 @@ def write_input_metadata(w: KeyWriter, md: Any, what: str, sizes: SizeInputs) ->
     w.dtype(md.dtype)
     w.device(md.device)
     if md.is_nested_tensor:
+        internals.require("nested_tensors")
         return sizes.add_static(shape, what)
     return sizes.add(shape, True, what)
 

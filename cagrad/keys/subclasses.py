@@ -20,9 +20,9 @@ field by field, lists and dicts with string keys of those; a
 ``DeviceMesh`` as the object itself; any other hashable value with an
 ``__eq__`` of its own, such as DTensor's placements since torch 2.13, as
 the number of its equality class, see :class:`Interned`), the outer
-tensor's requires_grad, dtype,
-device, rank and its sizes, strides and offset (size slots that stay
-static), then each inner tensor by name, as any lifted tensor is keyed. An
+tensor's requires_grad, dtype, device, rank and its sizes, strides and
+offset (size slots that stay static), then each inner tensor by name, as
+any lifted tensor is keyed. An
 inner value that is not a tensor (DTensor's ``device_mesh``, an opaque
 object since torch 2.13) is kept in the spec as it is and keyed by
 identity. A jagged nested tensor (``torch.nested`` with
@@ -129,12 +129,13 @@ class SubclassSpec:
 
     Attributes:
         cls: the subclass.
-        ctx: its flatten metadata (constants only).
+        ctx: its flatten metadata (a value :func:`write_metadata` keys).
         names: the inner tensors' attribute names, in flatten order.
         inner: per name, the spec of an inner tensor that is a subclass
             itself, None for a plain one (one flat entry), or an
             :class:`Opaque` for a value that is not a tensor (no entry).
-        size, stride: the outer tensor's sizes and strides (ints).
+        size, stride: the outer tensor's sizes and strides (ints, and a
+            jagged tensor's nested ints).
     """
 
     cls: type
