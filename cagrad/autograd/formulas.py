@@ -156,6 +156,12 @@ def _prod_backward(grad: torch.Tensor, x: torch.Tensor, result: torch.Tensor, sa
     return torch.where(is_zero.any().logical_not(), quotient, safe)
 
 
+#: nodes whose formula branches on grad mode (see :func:`runs_as_is`)
+GRAD_MODE_FORMULAS = frozenset(
+    {"SiluBackward0", "MishBackward0", "LogitBackward0", "NativeGroupNormBackward0", "NativeDropoutBackward0"}
+)
+
+
 def runs_as_is(node: Any, name: str) -> bool:
     """Whether a node of ``name`` must run as it is (opaque) in a
     ``create_graph`` backward, because no traced graph can do what eager does.
@@ -173,8 +179,15 @@ def runs_as_is(node: Any, name: str) -> bool:
     CumprodBackward0: on a fake input the C++ node takes a path whose second
     derivative is NaN where the input holds zeros (eager's, chosen by the
     data, is finite), so under ``create_graph`` it runs on the real tensors.
+
+    :data:`GRAD_MODE_FORMULAS`: the formula asks ``GradMode::is_enabled()``
+    (``tools/autograd/derivatives.yaml``: ``silu``, ``mish``, ``logit``,
+    ``native_group_norm``, ``native_dropout``) and with grad mode on takes
+    an ``infinitely_differentiable_*`` composite; the trace runs under
+    ``no_grad`` and would record the other branch, whose own derivative is
+    not implemented (the second backward raised where eager's does not).
     """
-    if name == "CumprodBackward0":
+    if name == "CumprodBackward0" or name in GRAD_MODE_FORMULAS:
         return True
     if name not in ALWAYS:
         return False
