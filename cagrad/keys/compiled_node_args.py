@@ -614,12 +614,12 @@ class Collector:
         d = found.post_accumulate
         if d:
             w.size(len(d))
+            hooks.post_accumulate = self.obj(d)
             if all(cpp_hooks.is_ddp_python_hook(h) for h in d.values()):
                 # DDP's python-reducer hooks only: movable with the
                 # accumulations (cagrad.capture.leaf_hook_groups)
                 w.tag(b"D")
-                self.ddp_python_hooks.add(len(self.objects))
-            hooks.post_accumulate = self.obj(d)
+                self.ddp_python_hooks.add(hooks.post_accumulate)
             self._user_code(_AT_APPLY)
         else:
             w.size(0)

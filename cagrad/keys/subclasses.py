@@ -107,7 +107,7 @@ class Interned:
     def identity(self, v: Any) -> int:
         """The number of the object ``v`` itself."""
         held = self._by_id.get(id(v))
-        if held is None or held[0] is not v:
+        if held is None:  # (held objects stay alive: their ids are not reused)
             held = self._by_id[id(v)] = (v, len(self._by_value) + len(self._by_id))
         return held[1]
 
@@ -129,7 +129,7 @@ class SubclassSpec:
 
     Attributes:
         cls: the subclass.
-        ctx: its flatten metadata (a value :func:`write_metadata` keys).
+        ctx: its flatten metadata (a value :func:`_write_ctx` keys).
         names: the inner tensors' attribute names, in flatten order.
         inner: per name, the spec of an inner tensor that is a subclass
             itself, None for a plain one (one flat entry), or an
@@ -146,7 +146,20 @@ class SubclassSpec:
     stride: tuple[int, ...]
 
 
-def write_metadata(w: KeyWriter, ctx: Any) -> None:
+def metadata_bytes(value: Any) -> bytes | None:
+    """The key bytes of ``value`` as flatten metadata is keyed
+    (:func:`_write_ctx`), or None where it cannot be keyed (the custom
+    Functions of :data:`cagrad.hooks.backward_tracing.TORCH_FUNCTIONS` key
+    their ctx so)."""
+    w = KeyWriter()
+    try:
+        _write_ctx(w, value)
+    except Unsupported:
+        return None
+    return w.getvalue()
+
+
+def _write_ctx(w: KeyWriter, ctx: Any) -> None:
     """Key bytes of a subclass's flatten metadata, or of a value of that
     kind (DTensor's specs, placements, meshes), as the module docstring
     describes.
@@ -155,22 +168,6 @@ def write_metadata(w: KeyWriter, ctx: Any) -> None:
         Unsupported: ``unkeyable_attribute`` for a value without value
             equality and a hash, or a dict with keys that are not strings.
     """
-    _write_ctx(w, ctx)
-
-
-def metadata_bytes(value: Any) -> bytes | None:
-    """:func:`write_metadata`'s bytes for ``value`` alone, or None where it
-    cannot be keyed (the custom Functions of
-    :data:`cagrad.hooks.backward_tracing.TORCH_FUNCTIONS` key their ctx so)."""
-    w = KeyWriter()
-    try:
-        write_metadata(w, value)
-    except Unsupported:
-        return None
-    return w.getvalue()
-
-
-def _write_ctx(w: KeyWriter, ctx: Any) -> None:
     if isinstance(ctx, dict):
         w.tag(b"{")
         w.size(len(ctx))

@@ -11,8 +11,11 @@ import pytest
 import torch
 import torch.fx
 
+import cagrad
 from cagrad.capture import leaf_hook_groups, runtime_ops
 from cagrad.capture.compiler import OPAQUE_TARGETS
+
+from .conftest import run_both, same
 
 
 def _graph(grad_sizes, other_opaque=None, post_hooks=False, ddp_python=False):
@@ -130,26 +133,21 @@ def test_a_users_post_accumulate_hook_keeps_its_place_end_to_end():
     # lower sequence numbers); its hook scales q's storage (through .data:
     # no version bump), so r's gradient reads the scaled q. Moved after the
     # tensor ops, the hook would run too late: r.grad would differ
-    import cagrad
-
-    def run(compiled):
+    def build():
         p, q, r = (torch.full((3,), v, requires_grad=True) for v in (1.0, 2.0, 3.0))
+
         def scale_q(t):
             q.data.mul_(10)
 
         p.register_post_accumulate_grad_hook(scale_q)
-        loss = (r * q).sum() + (p * 3).sum()
-        if compiled:
-            with cagrad.enable("eager"):
-                loss.backward()
-        else:
-            loss.backward()
+        ((r * q).sum() + (p * 3).sum()).backward()
         return r.grad
 
-    expected = run(False)
+    expected, got = run_both(build)
     assert torch.equal(expected, torch.full((3,), 20.0))  # the scaled q
-    for _ in range(2):
-        torch.testing.assert_close(run(True), expected, rtol=0, atol=0)
+    same(got, expected)
+    with cagrad.enable("eager"):
+        same(build(), expected)  # a hit
     assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["captures"] == 1
 
 
@@ -157,26 +155,21 @@ def test_a_users_hook_sees_the_grads_eager_accumulated_before_it():
     # eager runs the p branch first (created last): p's accumulation comes
     # before the hook on t, which reads p.grad; the accumulation may wait,
     # but not past that hook
-    import cagrad
-
-    def run(compiled):
+    def build():
         p, q, r = (torch.full((3,), v, requires_grad=True) for v in (1.0, 2.0, 3.0))
         seen = []
         t = r * q
         t.register_hook(lambda g: seen.append(None if p.grad is None else p.grad.clone()))
-        loss = t.sum() + (p * 3).sum()
-        if compiled:
-            with cagrad.enable("eager"):
-                loss.backward()
-        else:
-            loss.backward()
+        (t.sum() + (p * 3).sum()).backward()
         return seen
 
-    expected = run(False)
+    expected, got = run_both(build)
     assert len(expected) == 1 and torch.equal(expected[0], torch.full((3,), 3.0))
-    for _ in range(2):
-        got = run(True)
-        assert len(got) == 1 and got[0] is not None and torch.equal(got[0], expected[0])
+    with cagrad.enable("eager"):
+        again = build()  # a hit
+    for seen in (got, again):
+        assert len(seen) == 1
+        same(seen[0], expected[0])
     assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["captures"] == 1
 
 
