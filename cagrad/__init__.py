@@ -70,6 +70,7 @@ top level
 ``explain``                     why a backward misses the cache
 ``torch_compat``                torch's compiled-autograd entry points, served by cagrad
 ``internals``                   the torch internals cagrad relies on, checked; what turns off
+``internal_errors``             the safety net: an unexpected error before running is a fallback
 ``doctor``                      ``python -m cagrad.doctor``: those checks on the installed torch
 ``counters``, ``errors``        counters, fallback reasons, error types (leaves)
 ``preserve``                    process state cagrad's own work puts back (leaf)

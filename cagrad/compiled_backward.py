@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import events, explain, internals, logs
+from . import events, explain, internal_errors, internals, logs
 from .autograd import _hook_counts, run_context, saved_variables, transforms
 from .autograd.graph_task import GraphTask
 from .capture import segments
@@ -293,6 +293,7 @@ def run(
     """
     counters.bump("backwards")
     outs = None
+    running = False  # once True, the backward cannot be handed to eager
     try:
         # first: under a functorch transform nothing may be collected or traced
         transforms.check_active()
@@ -306,6 +307,7 @@ def run(
                 try:
                     fast = _try_guards(call, cache, census)
                     if fast is not None and fast.entry.segmented is None:
+                        running = True
                         return _run_guarded(call, cache, fast.guard, fast.hit, fast.found)
                 finally:
                     if early is not None:
@@ -357,6 +359,7 @@ def run(
             early_release = not first_run and not fresh and not call.keep_graph
             if early_release:
                 runtime.release_lifted(collected)
+            running = True
             try:
                 with events.running():
                     outs = runtime.call_whole(
@@ -375,6 +378,12 @@ def run(
         return call.run_eager(eager_engine)
     except EagerError as e:
         counters.record_fallback("eager_error", f"eager raises here: {e.cause}")
+        return call.run_eager(eager_engine)
+    except Exception as e:
+        # a cagrad bug before anything ran (cagrad.internal_errors)
+        if running or not internal_errors.catches(e):
+            raise
+        internal_errors.record(e)
         return call.run_eager(eager_engine)
     if outs is not None:
         result = runtime.finish_whole(
@@ -833,6 +842,10 @@ def _capture(
         check_graph(compiler_fn, traced.graph_module)
     except Unsupported as u:
         node.verdict = FallbackVerdict(u.reason, u.detail)
+        raise
+    except Exception as e:
+        if internal_errors.catches(e):  # not traced again for this key
+            node.verdict = FallbackVerdict(internal_errors.REASON, internal_errors.detail(e))
         raise
     if retrace:
         counters.bump("retraces")

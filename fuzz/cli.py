@@ -19,6 +19,9 @@ accepts is collected again by the full path, and one the full path sees as
 another graph raises cagrad's internal error, so a wrong guarded hit is a
 failure of the campaign even where its gradients happen to agree with
 eager's (:mod:`cagrad.keys.hit_path`).
+It also sets ``CAGRAD_STRICT=1`` unless the environment sets it: an
+internal error of cagrad raises (a finding: an exception eager does not
+raise) instead of falling back to eager (:mod:`cagrad.internal_errors`).
 
 Exit status: 0 clean, 1 divergence found (campaign) or reproduced (replay),
 2 usage or I/O error, 3 internal error of the fuzzer, 130 campaign
@@ -58,6 +61,9 @@ def main() -> None:
     _quiet_warnings()
     # set before any worker starts: workers inherit it (see the module docstring)
     os.environ.setdefault("CAGRAD_VERIFY_GUARDS", "1")
+    # an internal error is a finding (an exception eager does not raise),
+    # not a fallback (cagrad.internal_errors)
+    os.environ.setdefault("CAGRAD_STRICT", "1")
 
 
 @main.command()

@@ -210,8 +210,10 @@ def replay(
 
     from fuzz.oracle import Oracle
 
-    # as the campaign that found it ran (fuzz.cli): a wrong guarded hit raises
+    # as the campaign that found it ran (fuzz.cli): a wrong guarded hit and
+    # an internal error raise
     os.environ.setdefault("CAGRAD_VERIFY_GUARDS", "1")
+    os.environ.setdefault("CAGRAD_STRICT", "1")
     try:
         oracle = Oracle(subjects or None, plugins, devices, neighbours=neighbours)
     except (ValueError, KeyError) as e:

@@ -6,6 +6,8 @@ Commands: ``stacks`` (:mod:`harness.stacks.cli`), ``models``
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from harness.models.cli import models
@@ -15,6 +17,9 @@ from harness.stacks.cli import stacks
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """The differential harness of cagrad."""
+    # an internal error is reported as an error, not hidden by the fallback
+    # (cagrad.internal_errors); subprocesses inherit it
+    os.environ.setdefault("CAGRAD_STRICT", "1")
 
 
 main.add_command(stacks)
