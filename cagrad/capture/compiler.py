@@ -615,7 +615,17 @@ class AutogradCompilerInstance:
         def backward(args: list) -> Any:
             if fn is None:  # (the key said traceable: not reached)
                 raise RuntimeError("the backward is no longer traceable")
-            return fn(node, *args)
+            # a ctx torch.Size reads as its size slots (symbolic where they
+            # are dynamic): put in the ctx for the trace, then put back
+            own = node.__dict__
+            real = {}
+            for attr, _ in backward_tracing.ctx_sizes(node, run_context.create_graph()):
+                real[attr] = own[attr]
+                own[attr] = torch.Size(self._sym_attr(call, "ctx." + attr))
+            try:
+                return fn(node, *args)
+            finally:
+                own.update(real)
 
         outs = self._apply_pynode(pos, call, plan, inputs, backward, origin)
         counters.bump("custom_functions_traced")

@@ -24,7 +24,10 @@ what it reads:
   (modules of torch and math, their functions, constants);
 * of the ctx it reads ``saved_tensors`` (lifted graph inputs, in the key as
   tensors), ``needs_input_grad`` and attributes the forward set in the
-  ctx's ``__dict__`` whose values are accepted values or ``torch.Size``;
+  ctx's ``__dict__`` whose values are accepted values or ``torch.Size``
+  (whose length only is in the fingerprint: its values are size slots of
+  the key, :func:`ctx_sizes`, so a new shape may be traced symbolically as a
+  saved size is, instead of being a new key);
   any other ctx attribute or method (``saved_variables``, ``mark_dirty``,
   ``materialize_grads``, ...) or a ctx attribute holding a tensor that is
   not saved, a list or another object makes it opaque.
@@ -137,8 +140,9 @@ def user_backward(node: Any, create_graph: bool) -> types.FunctionType | None:
 
 def _ctx_value_text(v: Any) -> str | None:
     if isinstance(v, torch.Size):
-        inner = hook_tracing.object_text(tuple(v))
-        return None if inner is None else "Size" + inner
+        if not all(type(d) is int for d in v):
+            return None  # a symbolic size (a ctx of a traced forward)
+        return f"Size[{len(v)}]"  # the values: size slots (ctx_sizes)
     if isinstance(v, tuple) and type(v) is not tuple:
         return None  # a named tuple or another subclass
     return hook_tracing.object_text(v)
@@ -208,6 +212,32 @@ def fingerprint(
     if ctx is None:
         return None
     return hook_tracing.digest(static, [*parts, "ctx", *ctx])
+
+
+def ctx_sizes(node: Any, create_graph: bool) -> list[tuple[str, torch.Size]]:
+    """The ``torch.Size`` values among the ctx attributes that the backward
+    of ``node`` reads, as ``(name, size)`` in the fingerprint's order: the
+    key writes their values as size slots, and the trace reads them from
+    those slots (:meth:`cagrad.capture.compiler.AutogradCompilerInstance.apply_custom`).
+    Empty for a node :func:`fingerprint` does not accept, or one of
+    :data:`TORCH_FUNCTIONS` (keyed whole)."""
+    fn = user_backward(node, create_graph)
+    if fn is None:
+        return []
+    cls = node._forward_cls
+    if (cls.__module__, cls.__qualname__) in TORCH_FUNCTIONS:
+        return []
+    static = hook_tracing.analyze(fn.__code__, _ALLOWED)
+    if static is None:
+        return []
+    own = node.__dict__
+    typ = type(node)
+    out = []
+    for name in static.attr_names:
+        v = own.get(name, _MISSING)
+        if isinstance(v, torch.Size) and not hasattr(type(inspect.getattr_static(typ, name, None)), "__set__"):
+            out.append((name, v))
+    return out
 
 
 def _torch_function_fingerprint(

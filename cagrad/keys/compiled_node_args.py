@@ -488,8 +488,9 @@ class Collector:
         """The forward outputs a materialized zero gradient is made for: the
         materialize flags, and per output its kind, dtype and device, and
         its shape as size slots (:attr:`output_slots`) where it is not
-        differentiable, or for every output with ``all_shapes`` (those of
-        differentiable outputs may then be dynamic)."""
+        differentiable, or for every output with ``all_shapes`` (which may
+        then be dynamic: a traced backward reads them as any size; an
+        inlined AOTAutograd backward's compiled code has them static)."""
         node = call.node
         w.value((node.materialize_grads, node._materialize_non_diff_grads))
         for i, info in enumerate(record.outputs):
@@ -502,7 +503,7 @@ class Collector:
             if all_shapes or not info.differentiable:
                 w.size(len(info.shape))
                 self.output_slots[(call.id, i)] = self.sizes.add(
-                    info.shape, all_shapes and info.differentiable, f"{call.name} output {i}"
+                    info.shape, all_shapes, f"{call.name} output {i}"
                 )
 
     def _write_custom_function(self, w: KeyWriter, call: NodeCall, plan: NodePlan) -> None:
@@ -528,6 +529,11 @@ class Collector:
         plan.kind = Kind.CUSTOM_TRACED
         w.tag(b"T")
         w.text(fp.hex())
+        for attr, size in backward_tracing.ctx_sizes(node, run_context.create_graph()):
+            # a ctx torch.Size (the fingerprint has its length): size slots
+            self.attr_slots[(call.id, "ctx." + attr)] = self._sym_attr(
+                w, tuple(size), True, f"{call.name} ctx.{attr}"
+            )
         self._write_custom(w, node, plan.record)
         self._write_outputs(w, call, plan.record, True)
         self._lift_saved_tensors(w, node, call.name)
