@@ -66,7 +66,9 @@ def judge(
     if reference.error is not None or got.error is not None:
         outcome.status = RowStatus.ERROR
         return outcome
-    values = compare_results(reference.results, got.results, subject.backend, device.type, policy)
+    values = compare_results(
+        reference.results, got.results, subject.backend, device.type, policy, compute_dtype=row.compute_dtype
+    )
     mismatches = values + state_mismatches(reference, got)
     outcome.mismatches = sorted(mismatches, key=_step)  # stable: values first within a step
     if outcome.mismatches:

@@ -26,6 +26,7 @@ def row(
     dtype: torch.dtype = torch.float64,
     steps: int = 3,
     needs: tuple[str, ...] = (),
+    compute_dtype: torch.dtype | None = None,
 ) -> Callable[[Callable[[torch.device], Setup]], Callable[[torch.device], Setup]]:
     """Decorator: registers ``build`` as the row ``name`` (keywords: the
     :class:`ModelRow` attributes) and returns it unchanged.
@@ -38,7 +39,7 @@ def row(
         old = _REGISTRY.get(name)
         if old is not None and old.build.__qualname__ != build.__qualname__:
             raise ValueError(f"model row {name!r} is already registered by {old.build.__qualname__}")
-        _REGISTRY[name] = ModelRow(name, library, description, build, dtype, steps, needs)
+        _REGISTRY[name] = ModelRow(name, library, description, build, dtype, steps, needs, compute_dtype)
         return build
 
     return wrap

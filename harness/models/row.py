@@ -62,6 +62,11 @@ class ModelRow:
         steps: optimizer steps per run.
         needs: other libraries the row imports directly, besides
             :attr:`library` (each must be available, or the row is skipped).
+        compute_dtype: a lower precision than :attr:`dtype` that the
+            model's own code computes part of its forward in (None: none);
+            every floating value is then judged with that dtype's tolerance
+            (as :attr:`harness.stacks.stack.Stack.compute_dtype`), since a
+            fusing backend rounds those steps otherwise than eager.
     """
 
     name: str
@@ -71,6 +76,7 @@ class ModelRow:
     dtype: torch.dtype = torch.float64
     steps: int = 3
     needs: tuple[str, ...] = ()
+    compute_dtype: torch.dtype | None = None
 
     @property
     def libraries(self) -> tuple[str, ...]:

@@ -54,6 +54,12 @@ def mlp_dropout_row(device: torch.device) -> Setup:
     return Setup(model, opt, loss)
 
 
+# the same model, declared to compute in float32 inside (as LLaMA's RMSNorm does)
+registry.row(
+    "plain_mlp_float32_inside", "torch", "test row: plain_mlp_dropout, judged at float32", compute_dtype=torch.float32
+)(mlp_dropout_row)
+
+
 @registry.row("plain_process_exits", "torch", "test row: its process exits with code 3 while building")
 def process_exits_row(device: torch.device) -> Setup:
     os._exit(3)
@@ -161,6 +167,20 @@ def test_judge_names_the_first_difference(after, where: str) -> None:
         # 1e-5 relative on float64: far outside the same-kernel tolerance (1e-7)
         assert o.mismatches[0].max_abs is not None and o.mismatches[0].max_abs > 0
     assert not o.ok
+
+
+def _scale_first_grad_by_1e6() -> None:
+    _PARAMS[0].grad.mul_(1 + 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("row", "status"), [("plain_mlp_dropout", RowStatus.MISMATCH), ("plain_mlp_float32_inside", RowStatus.MATCH)]
+)
+def test_a_row_computing_in_float32_is_judged_at_float32(row: str, status: RowStatus) -> None:
+    # 1e-6 relative: outside float64's same-kernel tolerance (1e-7), inside
+    # float32's (1.3e-6), which a row declares with compute_dtype
+    o = _only(run_row(registry.get(row), [_Breaking("broken", _scale_first_grad_by_1e6)], torch.device("cpu")))
+    assert o.status is status, o.describe()
 
 
 def test_subject_that_breaks_the_next_step_is_an_error() -> None:
