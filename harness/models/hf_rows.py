@@ -1,7 +1,8 @@
 """Rows on Hugging Face transformers: GPT-2, BERT masked LM, LLaMA, T5 with
 labels, ViT, and Mixtral (a mixture of experts) with each experts kernel;
-LLaMA again under the library's gradient checkpointing (reentrant and not),
-and GPT-2 with a ``torch.compile`` d forward.
+LLaMA again under the library's gradient checkpointing (reentrant and not)
+and under autocast (bfloat16 mixed precision), and GPT-2 with a
+``torch.compile`` d forward.
 
 Every model is built from its config class with random weights (no
 download: :func:`harness.models.libraries.prepare_offline`), 2 layers,
@@ -174,6 +175,25 @@ def llama_ckpt_reentrant(device: torch.device) -> Setup:
 )
 def llama_ckpt_nonreentrant(device: torch.device) -> Setup:
     return _checkpointed_llama(device, False)
+
+
+@row(
+    "llama_autocast",
+    "transformers",
+    "LLaMA as in llama with float32 parameters, its forward under torch.autocast(dtype=bfloat16) (mixed "
+    "precision, the backward outside it: casts and bfloat16 matmuls); 3 steps",
+    dtype=torch.float32,
+    compute_dtype=torch.bfloat16,
+)
+def llama_autocast(device: torch.device) -> Setup:
+    setup = _causal_lm(llama_model(LLAMA_CONFIG), device, torch.float32)
+    forward = setup.loss
+
+    def loss() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return forward()
+
+    return Setup(setup.model, setup.optimizer, loss)
 
 
 @row(

@@ -1,6 +1,7 @@
 """Rows on torchvision (ResNet, MobileNetV3, ViT) and timm (ConvNeXt,
 EfficientNet): image classifiers built from their constructors with random
-weights, float64, in train mode (BatchNorm statistics, dropout and
+weights, float64 (one ResNet in float32, channels_last, under bfloat16
+autocast, as vision models are trained on GPUs), in train mode (BatchNorm statistics, dropout and
 stochastic depth on), trained with SGD (lr 0.05, momentum 0.9, weight decay
 1e-4) on batches of 4 random 32x32 images (16x16 for ViT) with random labels
 of 10 classes, drawn from the global RNG at each step; cross-entropy loss.
@@ -18,14 +19,27 @@ BATCH, CLASSES = 4, 10
 F64 = torch.float64
 
 
-def _classifier(model: torch.nn.Module, device: torch.device, size: int = 32) -> Setup:
-    model = model.to(device=device, dtype=F64).train()
+def _classifier(
+    model: torch.nn.Module,
+    device: torch.device,
+    size: int = 32,
+    dtype: torch.dtype = F64,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    autocast: torch.dtype | None = None,
+) -> Setup:
+    model = model.to(device=device, dtype=dtype, memory_format=memory_format).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
 
-    def loss() -> torch.Tensor:
-        images = torch.randn(BATCH, 3, size, size, device=device, dtype=F64)
+    def forward() -> torch.Tensor:
+        images = torch.randn(BATCH, 3, size, size, device=device, dtype=dtype)
         labels = torch.randint(CLASSES, (BATCH,), device=device)
-        return F.cross_entropy(model(images), labels)
+        return F.cross_entropy(model(images.contiguous(memory_format=memory_format)), labels)
+
+    def loss() -> torch.Tensor:
+        if autocast is None:
+            return forward()
+        with torch.autocast(device.type, dtype=autocast):
+            return forward()
 
     return Setup(model, opt, loss)
 
@@ -39,6 +53,29 @@ def resnet(device: torch.device) -> Setup:
     from torchvision.models.resnet import BasicBlock, ResNet
 
     return _classifier(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=CLASSES), device)
+
+
+@row(
+    "resnet_amp_channels_last",
+    "torchvision",
+    "ResNet as in resnet with float32 parameters in channels_last, images in channels_last, the "
+    "forward under torch.autocast(dtype=bfloat16): the convolution gradients' strides and the casts; 1 step",
+    dtype=torch.float32,
+    compute_dtype=torch.bfloat16,
+    steps=1,
+)
+def resnet_amp_channels_last(device: torch.device) -> Setup:
+    # One step: inductor rounds bfloat16 otherwise than eager (fused kernels
+    # keep float32 between ops), 1.5% of the largest gradient of BatchNorm's
+    # bias at the first step on the CPU (torch 2.13); through BatchNorm of 4
+    # images that grows to 90% at the second step, for torch's compiled
+    # autograd with inductor alike: not comparable by any tolerance
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=CLASSES)
+    return _classifier(
+        model, device, dtype=torch.float32, memory_format=torch.channels_last, autocast=torch.bfloat16
+    )
 
 
 @row(
