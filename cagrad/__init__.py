@@ -6,7 +6,8 @@ and on a miss traced whole into one FX graph that ``compiler_fn`` compiles.
 See docs/DESIGN.md for the architecture; the modules map onto it.
 The package follows the pipeline; each stage is a sub-package that imports
 only the stages before it (and the leaf modules ``errors``, ``counters``,
-``preserve`` and ``internals``, which import only the first two):
+``preserve`` and ``internals``, which import only the first two, and
+``logs``, ``events`` and ``internal_errors``, which import no more):
 
 ==============================  ===============================================
 ``autograd/`` (eager's rules)
@@ -27,6 +28,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``hooks.cpp_hooks``             hooks added from C++ (DDP's reducer) and their calls
 ``hooks.hook_tracing``          tensor and node hooks pure enough to trace, their fingerprint
 ``keys/`` (collect, look up)
+``keys.collection``             what a backward is read as before it runs: keys, tensors, objects
 ``keys.compiled_node_args``     CompiledNodeArgs: one node's key and lifted tensors
 ``keys.cache_key``              CacheKey and its byte encoding
 ``keys.sizes``                  size slots (SizeInput) and per-variant size checks
@@ -43,6 +45,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``capture.leaf_hook_groups``    accumulations with C++ hooks only, grouped (DDP buckets)
 ``capture.shells``              lifted tensors as metadata, for a retrace after a run freed them
 ``compile/`` (backend)
+``compile.variants``            a new variant of a CacheNode: trace, compile, respeculate, retrace
 ``compile.backends``            compiler_fn resolution
 ``compile.direct_compile``      backends called without Dynamo
 ``compile.specialize``          static-first graphs, specialized per size
@@ -63,6 +66,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``run.interpreter``             the walk on real tensors (finishing deopted runs)
 ``run.host``                    a GraphTask of torch's around a graph, for C++ callbacks
 ``run.guarded``                 a segmented backward run from a hit guard's collection
+``run.hits``                    a backward a hit guard accepted: chosen, run, verified
 top level
 ``compiled_backward``           one backward: collect, look up, capture, run
 ``engine``                      the stand-in for torch's autograd engine
@@ -70,11 +74,11 @@ top level
 ``explain``                     why a backward misses the cache
 ``torch_compat``                torch's compiled-autograd entry points, served by cagrad
 ``internals``                   the torch internals cagrad relies on, checked; what turns off
-``internal_errors``             the safety net: an unexpected error before running is a fallback
+``internal_errors``             the safety net: an unexpected error before running is a fallback (leaf)
 ``doctor``                      ``python -m cagrad.doctor``: those checks on the installed torch
 ``counters``, ``errors``        counters, fallback reasons, error types (leaves)
 ``preserve``                    process state cagrad's own work puts back (leaf)
-``logs``, ``events``            the loggers and CAGRAD_LOGS; capture and run listeners
+``logs``, ``events``            the loggers and CAGRAD_LOGS; capture and run listeners (leaves)
 ==============================  ===============================================
 """
 

@@ -15,9 +15,10 @@ from . import engine
 from . import explain as explain_mod
 from .autograd import run_context, transforms
 from .capture import leaf_hook_groups
+from .compile.variants import trace_with_retries
+from .keys.collection import CollectedBackward, check_supported_mode, collect_backward
 from .compile.backends import CompilerFn
 from .compile.cuda_graphs import check_mode
-from .compiled_backward import CollectedBackward, check_supported_mode, collect_backward, trace_with_retries
 from .counters import counters
 from .keys.cache import CacheNode
 from .keys.cache_key import CacheKey
@@ -238,7 +239,7 @@ def backward_arguments(
 def collect_or_raise(
     outs: tuple, grads: tuple, ins: tuple, accumulate_grad: bool, create_graph: bool = False
 ) -> CollectedBackward:
-    """:func:`~cagrad.compiled_backward.collect_backward`, raising eager's own
+    """:func:`~cagrad.keys.collection.collect_backward`, raising eager's own
     error where eager would raise (a freed graph, a modified saved tensor),
     and Unsupported under a functorch transform, before anything is collected
     (:mod:`cagrad.autograd.transforms`)."""

@@ -25,6 +25,7 @@ from torch.autograd.variable import Variable
 
 from . import compiled_backward
 from .autograd import run_context
+from .keys.collection import BackwardCall
 from .compile.backends import CompilerFn, resolve
 from .compile.disk_cache import DiskCache, resolve_dir
 from .keys.cache import CacheNode
@@ -103,7 +104,7 @@ class CagradEngine:
         allow_unreachable: bool = False,
         accumulate_grad: bool = True,
     ) -> Any:
-        call = compiled_backward.BackwardCall(
+        call = BackwardCall(
             tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
         )
         stack = getattr(_tls, "stack", None)

@@ -45,7 +45,7 @@ class HookTraceFailed(Unsupported):
 
     The backward is traced again with every hook opaque and leaves
     accumulated in order inside the graph (see
-    :func:`cagrad.compiled_backward.trace_with_retries`).
+    :func:`cagrad.compile.variants.trace_with_retries`).
     """
 
 

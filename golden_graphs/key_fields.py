@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from cagrad import CacheKey
-from cagrad import compiled_backward as _compiled_backward
+from cagrad.keys import collection as _collection
 from cagrad.keys import compiled_node_args as _compiled_node_args
 from cagrad.keys.cache_key import KeyWriter
 
@@ -58,7 +58,7 @@ class Field:
 # (calling function, argument expression) -> name template, formatted with
 # the caller's locals
 _LABELS: dict[tuple[str, str], str] = {
-    # task key (cagrad.compiled_backward.collect_backward)
+    # task key (cagrad.keys.collection.collect_backward)
     ("collect_backward", 'b"c"'): "create_graph",
     ("collect_backward", 'b"A" if accumulate_grad else b"G"'): "accumulate_grad (A) or grad (G)",
     ("collect_backward", "len(grad_tensors)"): "root gradients",
@@ -293,13 +293,13 @@ def recording() -> Iterator[list[AnnotatingKeyWriter]]:
         raise RuntimeError("key_fields.recording() is not reentrant")
     writers: list[AnnotatingKeyWriter] = []
     _LIVE = writers
-    saved = (_compiled_node_args.KeyWriter, _compiled_backward.KeyWriter)
+    saved = (_compiled_node_args.KeyWriter, _collection.KeyWriter)
     _compiled_node_args.KeyWriter = AnnotatingKeyWriter
-    _compiled_backward.KeyWriter = AnnotatingKeyWriter
+    _collection.KeyWriter = AnnotatingKeyWriter
     try:
         yield writers
     finally:
-        _compiled_node_args.KeyWriter, _compiled_backward.KeyWriter = saved
+        _compiled_node_args.KeyWriter, _collection.KeyWriter = saved
         _LIVE = None
 
 

@@ -3,7 +3,7 @@
 Where a backward lifts a tensor with a dimension marked by
 ``torch._dynamo.mark_dynamic`` (a forward input saved for backward, or an
 accumulated leaf), cagrad traces its sizes as symbols
-(:func:`cagrad.compiled_backward._dynamic_slots`), and its graph reads them
+(:func:`cagrad.compile.variants.slots_to_trace_dynamic`), and its graph reads them
 from the ``sizes`` list. A user ``compiler_fn`` that runs Dynamo on that
 graph (``torch.compile``) then sees the marked tensor among the ``inputs``,
 and plain ints in ``sizes``; Dynamo traces ints as constants at a frame's

@@ -14,7 +14,7 @@ only (*static first*: a static compile is also quicker, 6 s less for the CPU
 transformer layer); its symbolic code is compiled at the first backward at
 other sizes, before anything of that backward ran, so that the size guards
 the backend adds can still send it to eager
-(:func:`cagrad.compiled_backward._prepare_symbolic`). Once the graph has
+(:func:`cagrad.compile.variants.prepare_symbolic`). Once the graph has
 been called :data:`HOT_CALLS` times at another tuple of sizes, it is
 compiled again with those sizes as numbers, and calls at exactly those sizes
 run that code (at most :data:`MAX_SPECIALIZATIONS` tuples per graph, the

@@ -41,7 +41,7 @@ backward takes the full path (collection, trie lookup, maybe a capture), so
 a guard can only make a hit faster, never create one: a graph it accepts has
 the key sequence it was built from. With ``CAGRAD_VERIFY_GUARDS=1`` (the
 test suite sets it) every accepted backward is also collected in full and
-the two are compared (``cagrad.compiled_backward._verify_hit``).
+the two are compared (``cagrad.run.hits.verify_hit``).
 
 Guarded backwards are ``backward()`` without ``inputs=``, without
 ``create_graph``, with every node traced or a leaf's AccumulateGrad,

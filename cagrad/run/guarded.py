@@ -7,7 +7,7 @@ runtime objects, the nodes run as they are, whether the run needs torch's
 GraphTask around it, and the nodes in run order. A guard that accepted a
 segmented graph (:mod:`cagrad.keys.leaf_hooks`) has all of these without
 the full collection; :class:`GuardedBackward` holds them under the same
-names as :class:`cagrad.compiled_backward.CollectedBackward`.
+names as :class:`cagrad.keys.collection.CollectedBackward`.
 
 The :class:`~cagrad.autograd.graph_task.GraphTask` is built only when
 asked for: by the interpreter that finishes a deopted run, or by
@@ -44,7 +44,7 @@ class GuardedBackward:
     """One backward a guard accepted, for the segmented runtime.
 
     Args:
-        call: the backward's :class:`~cagrad.compiled_backward.BackwardCall`.
+        call: the backward's :class:`~cagrad.keys.collection.BackwardCall`.
         hit: what the guard collected (:class:`~cagrad.keys.hit_path.Hit`).
         release_slots: the guard's ``(run position, attribute, index)`` of
             each lifted saved tensor, in lifting order.

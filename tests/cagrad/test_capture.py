@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 import cagrad
-from cagrad.compiled_backward import collect_backward, trace
+from cagrad.compile.variants import trace
+from cagrad.keys.collection import collect_backward
 
 from .conftest import same
 

@@ -428,14 +428,15 @@ def test_a_record_names_only_known_targets_and_heads():
 
 
 def test_a_record_is_checked_by_rebuilding_it_before_it_is_written():
-    from cagrad import compiled_backward
+    from cagrad.keys import collection
+    from cagrad.compile import variants
     from cagrad.keys.cache import CacheNode
 
     torch.manual_seed(0)
     loss = _model()(torch.randn(4, 6)).square().mean()
-    collected = compiled_backward.collect_backward([loss], [torch.ones_like(loss)], [], True)
+    collected = collection.collect_backward([loss], [torch.ones_like(loss)], [], True)
     slots = frozenset(i for i, ok in enumerate(collected.collector.sizes.dynamic_ok) if ok)
-    traced = compiled_backward.trace_with_retries(collected, CacheNode(), slots, count=False)
+    traced = variants.trace_with_retries(collected, CacheNode(), slots, count=False)
     data = disk_cache.traced_to_data(traced)
     assert data["symbols"] and data["check"]["bound"]  # a dynamic graph
     assert disk_cache._round_trip_problem(json.dumps(data), traced, collected) is None

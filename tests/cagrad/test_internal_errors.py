@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import cagrad
-from cagrad import compiled_backward, internal_errors
+from cagrad import internal_errors
+from cagrad.compile import variants
 from cagrad.keys import compiled_node_args
+from cagrad.run import hits
 
 from .conftest import run_both, same
 
@@ -65,7 +67,7 @@ def test_a_trace_bug_falls_back_once_per_key(lenient, monkeypatch):
         calls.append(1)
         raise TypeError("FakeTensorMode.__init__() got an unexpected keyword argument 'shape_env'")
 
-    monkeypatch.setattr(compiled_backward, "trace_with_retries", broken_trace)
+    monkeypatch.setattr(variants, "trace_with_retries", broken_trace)
     for _ in range(3):
         expected, actual = run_both(_build)
         for x, y in zip(expected, actual):
@@ -79,7 +81,7 @@ def test_a_hit_path_bug_falls_back_to_eager(lenient, monkeypatch):
         _build()
         _build()  # the guard is built after a full-path hit
     assert cagrad.counters["guard_hits"] + cagrad.counters["cache_hits"] >= 1
-    monkeypatch.setattr(compiled_backward, "_try_guards", _moved_attribute)
+    monkeypatch.setattr(hits, "try_guards", _moved_attribute)
     cagrad.counters.clear()
     expected, actual = run_both(_build)
     for x, y in zip(expected, actual):

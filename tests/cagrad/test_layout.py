@@ -1,6 +1,6 @@
 """The package's layout is its pipeline: each stage sub-package imports only
 the stages before it (and the leaf modules ``errors``, ``counters``,
-``internals`` and ``preserve``), so that the folders show the architecture
+``internals``, ``preserve``, ``logs``, ``events`` and ``internal_errors``), so that the folders show the architecture
 and no import circles form."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import cagrad
 ROOT = pathlib.Path(cagrad.__file__).parent
 STAGES = ["native", "autograd", "hooks", "keys", "capture", "compile", "run"]
 # in order: a leaf imports only the leaves before it
-LEAVES = ["errors", "counters", "internals", "preserve"]
+LEAVES = ["errors", "counters", "internals", "preserve", "logs", "events", "internal_errors"]
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, list[str]]]:

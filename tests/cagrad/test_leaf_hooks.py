@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from cagrad import compiled_backward
+from cagrad.keys import collection
 from cagrad.errors import Unsupported
 from cagrad.hooks import cpp_hooks
 from cagrad.hooks.hooks_census import Census, FoundHooks
@@ -21,7 +21,7 @@ from cagrad.run.guarded import GuardedBackward
 
 
 def _collected(loss: torch.Tensor):
-    return compiled_backward.collect_backward([loss], [torch.ones_like(loss)], [], True, census=Census())
+    return collection.collect_backward([loss], [torch.ones_like(loss)], [], True, census=Census())
 
 
 def test_a_graph_without_hooks_lists_its_leaves_in_the_collectors_order() -> None:
@@ -162,12 +162,12 @@ def test_a_guarded_backward_reads_as_the_collected_one() -> None:
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
     loss = model(torch.randn(5, 4)).sum()
     grad = torch.ones_like(loss)
-    collected = compiled_backward.collect_backward([loss], [grad], [], True, census=Census())
+    collected = collection.collect_backward([loss], [grad], [], True, census=Census())
     order = tuple(collected.run_order())
     position = {id(n): pos for pos, n in enumerate(order)}
     args = collected.collector.args
     slots = [(position[id(node)], attr, index) for node, attr, index in args.slots[1:]]
-    call = compiled_backward.BackwardCall([loss], [grad], False, False, (), False, True)
+    call = collection.BackwardCall([loss], [grad], False, False, (), False, True)
     hit = hit_path.Hit(list(args.tensors), list(collected.collector.sizes.values), order)
     guarded = GuardedBackward(call, hit, slots, list(collected.collector.objects), False)
     assert guarded.collector.args.slots == args.slots and guarded.collector.args.tensors is hit.tensors

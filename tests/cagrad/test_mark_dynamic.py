@@ -1,5 +1,5 @@
 """A dimension marked with ``torch._dynamo.mark_dynamic`` stays symbolic in
-cagrad's backward graph (:func:`cagrad.compiled_backward._dynamic_slots`):
+cagrad's backward graph (:func:`cagrad.compile.variants.slots_to_trace_dynamic`):
 with the default ``dynamic=None`` (static first capture) a backward whose
 marked size changes is a cache hit, not a recapture, and every ``.grad`` is
 eager's at each size."""

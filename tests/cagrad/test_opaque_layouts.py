@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cagrad
-from cagrad import compiled_backward
+from cagrad.compile import variants
 from cagrad.capture.compiler import dimension_order, strides_in_order
 
 
@@ -109,7 +109,7 @@ def test_a_layout_that_keeps_changing_is_learnt_a_bounded_number_of_times():
     that deopted, or recaptured by the next backward after a hit that did),
     then copies into the layout it assumes (the values stay eager's; no
     fallback)."""
-    bound = compiled_backward.MAX_LAYOUT_RESPECULATIONS
+    bound = variants.MAX_LAYOUT_RESPECULATIONS
     runs = 2 * bound + 4
     cagrad.reset()
     _TransposedGrad.flip = [i % 2 == 1 for i in range(runs)]

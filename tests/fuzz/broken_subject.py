@@ -153,7 +153,7 @@ class DrawsOnExp(harness.EagerSubject):
 
 class CagradDrawsOnCapture(harness.CagradSubject):
     """``cagrad[eager]`` that draws one number from the global CPU generator
-    after each capture (``cagrad.compiled_backward._capture`` patched while
+    after each capture (``cagrad.compile.variants.capture`` patched while
     the subject is active): cagrad's own work touching the stream, past its
     guard (:func:`cagrad.preserve.preserved`). Its first backward of a
     program leaves the stream one draw ahead of eager's; a cache hit does
@@ -167,9 +167,9 @@ class CagradDrawsOnCapture(harness.CagradSubject):
         import contextlib
         from unittest import mock
 
-        from cagrad import compiled_backward
+        from cagrad.compile import variants
 
-        original = compiled_backward._capture
+        original = variants.capture
 
         def drawing(*args, **kwargs):
             entry = original(*args, **kwargs)
@@ -178,7 +178,7 @@ class CagradDrawsOnCapture(harness.CagradSubject):
 
         @contextlib.contextmanager
         def ctx():
-            with mock.patch.object(compiled_backward, "_capture", drawing), super(CagradDrawsOnCapture, self).active():
+            with mock.patch.object(variants, "capture", drawing), super(CagradDrawsOnCapture, self).active():
                 yield
 
         return ctx()

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 import cagrad
-
 from cagrad.api import backward_arguments
-from cagrad.compiled_backward import collect_backward
+from cagrad.keys.collection import collect_backward
 from golden_graphs import scenarios
 
 
