@@ -31,14 +31,8 @@ from .errors import EagerError, Unsupported
 from .hooks.hooks_census import Census
 from .keys import hit_path
 from .keys.cache import CacheNode, FallbackVerdict
-from .keys.collection import (
-    BackwardCall,
-    check_supported_mode,
-    collect_backward,
-)
+from .keys.collection import BackwardCall, check_supported_mode, collect_backward
 from .run import hits, host, runtime
-
-log = logging.getLogger("cagrad")
 
 
 def run(

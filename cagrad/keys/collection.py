@@ -8,7 +8,6 @@ objects (:class:`CollectedBackward`). Nothing here runs a node or a hook.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,8 +20,6 @@ from ..errors import EagerError, Unsupported
 from ..hooks.hooks_census import Census
 from .cache_key import CacheKey, KeyWriter
 from .compiled_node_args import Collector, write_tensor
-
-log = logging.getLogger("cagrad")
 
 
 @dataclasses.dataclass

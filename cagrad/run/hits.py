@@ -131,7 +131,6 @@ def run_guarded(
     with events.running():
         outs = runtime.call_whole(entry, hit.tensors, graph_sizes, hand_over=not call.keep_graph)
     runtime.finish_whole(entry, hit.order, outs)
-    return None
 
 
 def guarded_segmented(call: BackwardCall, cache: CacheNode, fast: GuardedHit) -> GuardedBackward:
@@ -149,7 +148,7 @@ def add_guard(collected: CollectedBackward, call: BackwardCall, cache: CacheNode
     """Generates ``node``'s guard (once; False marks a graph it cannot guard)."""
     try:
         guard = hit_path.build(collected, call, node)
-    except Exception:  # noqa: BLE001 - a generator bug must not cost the backward
+    except Exception:  # a generator bug must not cost the backward
         log.warning("cagrad could not generate a hit guard; this graph takes the full path", exc_info=True)
         guard = None
     if guard is None:
