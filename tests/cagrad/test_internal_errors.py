@@ -5,7 +5,7 @@ and logged fallback); with CAGRAD_STRICT=1 (the suite's default) it raises.
 The bugs are planted where a torch cagrad does not know would break it: the
 key collection (a Node attribute that moved), the trace (a FakeTensor API
 that changed) and the guarded hit path (a guard program that reads a field
-that moved).
+that moved); one planted where the graph already ran must propagate.
 """
 
 from __future__ import annotations
