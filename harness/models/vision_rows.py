@@ -1,8 +1,8 @@
 """Rows on torchvision (ResNet, MobileNetV3, ViT) and timm (ConvNeXt,
 EfficientNet): image classifiers built from their constructors with random
 weights, float64 (one ResNet in float32, channels_last, under bfloat16
-autocast, as vision models are trained on GPUs), in train mode (BatchNorm statistics, dropout and
-stochastic depth on), trained with SGD (lr 0.05, momentum 0.9, weight decay
+autocast, as vision models are trained on GPUs), in train mode (BatchNorm
+statistics, dropout and stochastic depth on), trained with SGD (lr 0.05, momentum 0.9, weight decay
 1e-4) on batches of 4 random 32x32 images (16x16 for ViT) with random labels
 of 10 classes, drawn from the global RNG at each step; cross-entropy loss.
 """
