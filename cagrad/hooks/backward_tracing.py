@@ -148,16 +148,22 @@ def _ctx_value_text(v: Any) -> str | None:
     return hook_tracing.object_text(v)
 
 
+def _ctx_attr(node: Any, name: str) -> tuple[Any, Any]:
+    """``(the ctx's own value, the type's attribute)`` under ``name``, each
+    ``_MISSING`` where there is none; the own value is ``_MISSING`` too where
+    the type's attribute is a data descriptor (which wins over it)."""
+    on_type = inspect.getattr_static(type(node), name, _MISSING)
+    if on_type is not _MISSING and hasattr(type(on_type), "__set__"):
+        return _MISSING, on_type
+    return node.__dict__.get(name, _MISSING), on_type
+
+
 def _ctx_texts(node: Any, attr_names: tuple[str, ...]) -> list[str] | None:
-    own = node.__dict__
-    typ = type(node)
     out = []
     for name in attr_names:
-        on_type = inspect.getattr_static(typ, name, _MISSING)
-        # the instance's own value wins unless the type's is a data descriptor
-        shadowed = on_type is not _MISSING and hasattr(type(on_type), "__set__")
-        if name in own and not shadowed:
-            text = _ctx_value_text(own[name])
+        value, on_type = _ctx_attr(node, name)
+        if value is not _MISSING:
+            text = _ctx_value_text(value)
             if text is None:
                 return None
             out.append(f"{name}={text}")
@@ -230,13 +236,11 @@ def ctx_sizes(node: Any, create_graph: bool) -> list[tuple[str, torch.Size]]:
     static = hook_tracing.analyze(fn.__code__, _ALLOWED)
     if static is None:
         return []
-    own = node.__dict__
-    typ = type(node)
     out = []
     for name in static.attr_names:
-        v = own.get(name, _MISSING)
-        if isinstance(v, torch.Size) and not hasattr(type(inspect.getattr_static(typ, name, None)), "__set__"):
-            out.append((name, v))
+        value, _ = _ctx_attr(node, name)
+        if isinstance(value, torch.Size):
+            out.append((name, value))
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 
 import cagrad
 from cagrad.hooks import backward_tracing
+from fuzz.functions import MaxWithIndex
 
 from .conftest import same
 from .test_custom_function import OnceDiff
@@ -525,35 +526,17 @@ def test_changing_batch_sizes_with_materialized_zeros():
     _whole(rec)
 
 
-class MaxWithShape(torch.autograd.Function):
-    """Keeps its input's torch.Size on the ctx, which the backward reads."""
-
-    @staticmethod
-    def forward(ctx, x, dim):
-        values, indices = torch.max(x, dim)
-        ctx.mark_non_differentiable(indices)
-        ctx.save_for_backward(indices)
-        ctx.dim = dim
-        ctx.shape = x.shape
-        return values, indices
-
-    @staticmethod
-    def backward(ctx, grad_values, grad_indices):
-        (indices,) = ctx.saved_tensors
-        grad = grad_values.new_zeros(ctx.shape)
-        return grad.scatter(ctx.dim, indices.unsqueeze(ctx.dim), grad_values.unsqueeze(ctx.dim)), None
-
-
 def test_ctx_size_is_size_slots_not_a_constant():
-    """A ctx torch.Size is keyed by size slots: a new shape makes one
-    dynamic capture that later shapes hit, as a saved size does (a campaign
-    found one capture per shape: fuzz seed 47, F002). Its length and a
-    change of the other ctx values still recapture."""
+    """A ctx torch.Size (the fuzzer's fn_max keeps its input's) is keyed by
+    size slots: a new shape makes one dynamic capture that later shapes
+    hit, as a saved size does (a campaign found one capture per shape: fuzz
+    seed 47, F002). Its length and a change of the other ctx values still
+    recapture."""
     sizes = [3, 4, 5, 6]
 
     def fn(x, w, step):
         a = (x * w).expand(sizes[step], 4, 3).reshape(-1, 3)
-        return MaxWithShape.apply(a, 1)[0].sum()
+        return MaxWithIndex.apply(a, 1)[0].sum()
 
     rec = _check(fn, steps=4)
     assert cagrad.counters["captures"] == 2 and cagrad.counters["cache_hits"] == 2
@@ -561,10 +544,10 @@ def test_ctx_size_is_size_slots_not_a_constant():
     assert cagrad.counters["custom_functions_traced"] == 2
     _whole(rec)
     x = torch.randn(3, 4, requires_grad=True)
-    a = MaxWithShape.apply(x, 1)[0].grad_fn
-    b = MaxWithShape.apply(torch.randn(5, 4, requires_grad=True), 1)[0].grad_fn
-    c = MaxWithShape.apply(x, 0)[0].grad_fn
-    d = MaxWithShape.apply(torch.randn(2, 3, 4, requires_grad=True), 1)[0].grad_fn
+    a = MaxWithIndex.apply(x, 1)[0].grad_fn
+    b = MaxWithIndex.apply(torch.randn(5, 4, requires_grad=True), 1)[0].grad_fn
+    c = MaxWithIndex.apply(x, 0)[0].grad_fn
+    d = MaxWithIndex.apply(torch.randn(2, 3, 4, requires_grad=True), 1)[0].grad_fn
     fa = backward_tracing.fingerprint(a, False)
     assert fa == backward_tracing.fingerprint(b, False)  # the values: slots
     assert fa != backward_tracing.fingerprint(c, False)  # ctx.dim
