@@ -27,7 +27,7 @@ Features (what turns off):
 ``torch_compat``       :func:`cagrad.torch_compat.install` (serving
                        ``torch._dynamo.compiled_autograd``) does nothing
 ``lazy_cuda``          a CPU backward's compile may initialize CUDA on a
-                       machine with a GPU (see :mod:`cagrad.preserve`)
+                       machine with a GPU (see :mod:`cagrad.lazy_cuda`)
 ``nested_tensors``     jagged nested tensors: backwards with one fall back
                        (``internal:<name>``)
 =====================  ========================================================
@@ -443,6 +443,22 @@ def _check_preserve_rng_state() -> str | None:
     return None
 
 
+def _check_inductor_system_info() -> str | None:
+    codecache = importlib.import_module("torch._inductor.codecache")
+    base = getattr(codecache, "CacheBase", None)
+    descriptor = getattr(base, "__dict__", {}).get("get_system")
+    if not isinstance(descriptor, staticmethod) or not callable(descriptor.__func__):
+        return "torch._inductor.codecache.CacheBase lacks the staticmethod get_system"
+    return None
+
+
+def _check_repro_comment() -> str | None:
+    debug_utils = importlib.import_module("torch._dynamo.debug_utils")
+    if not callable(getattr(debug_utils, "_cuda_system_info_comment", None)):
+        return "torch._dynamo.debug_utils lacks _cuda_system_info_comment"
+    return None
+
+
 def _check_nested_ints() -> str | None:
     nt = importlib.import_module("torch.nested._internal.nested_tensor")
     registry = getattr(nt, "_tensor_symint_registry", None)
@@ -572,9 +588,25 @@ for _entry in (
     Internal(
         "dynamo_preserve_rng_state",
         "torch._dynamo.utils.preserve_rng_state, bound by name in AOTAutograd and inductor modules",
-        "cagrad.preserve",
+        "cagrad.lazy_cuda",
         "lazy_cuda",
         _check_preserve_rng_state,
+    ),
+    Internal(
+        "inductor_system_info",
+        "torch._inductor.codecache.CacheBase.get_system (a cached staticmethod naming the GPU for "
+        "inductor's cache keys), CacheBase.get_local_cache_path",
+        "cagrad.lazy_cuda",
+        "lazy_cuda",
+        _check_inductor_system_info,
+    ),
+    Internal(
+        "dynamo_repro_comment",
+        "torch._dynamo.debug_utils._cuda_system_info_comment (names each GPU in the runnable repro inductor "
+        "writes of every graph), bound by name in torch._dynamo.repro.after_aot and .aoti",
+        "cagrad.lazy_cuda",
+        "lazy_cuda",
+        _check_repro_comment,
     ),
 ):
     register(_entry)

@@ -18,17 +18,11 @@ CUDA) and its cache; ``torch.get_float32_matmul_precision()``; and the
 Dynamo, inductor and functorch configs where they are imported. A value put
 back is set only where it changed.
 
-CUDA left as it was: on a machine with a GPU, a CPU program's first compile
-would create a CUDA context (about half a GiB of device memory and a
-second of start-up) that eager never creates: AOTAutograd and inductor
-enter Dynamo's ``preserve_rng_state``, which reads the CUDA generator
-whenever ``torch.cuda.is_available()``, and reading it initializes CUDA.
-While CUDA is not initialized, :func:`preserved` swaps that context
-manager, in the modules that bind it, for one that saves the CPU generator
-alone (no CUDA generator can have been drawn from); once CUDA is
-initialized the swap defers to torch's own. Measured on the H200, torch
-2.11: without the swap ``torch.cuda.is_initialized()`` is true after a CPU
-backward under ``aot_eager``.
+CUDA left as it was: on a machine with a GPU, a CPU program's compile would
+create a CUDA context that eager never creates; :func:`preserved` runs its
+body inside :func:`cagrad.lazy_cuda.cuda_left_uninitialized`, which answers
+torch's questions to the GPU as a host without CUDA would while CUDA is not
+initialized.
 """
 
 from __future__ import annotations
@@ -43,20 +37,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["cuda_left_uninitialized", "preserved"]
+from .lazy_cuda import cuda_left_uninitialized
+
+__all__ = ["preserved"]
 
 #: config modules restored where already imported (never imported here)
 _CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
 _AUTOCAST_DEVICES = ("cpu", "cuda")
-#: the module defining Dynamo's ``preserve_rng_state``, then those that bind
-#: it by name (``from torch._dynamo.utils import preserve_rng_state``)
-RNG_PRESERVER_MODULES = (
-    "torch._dynamo.utils",
-    "torch._functorch.aot_autograd",
-    "torch._inductor.select_algorithm",
-    "torch._inductor.codegen.triton",
-    "torch._inductor.cudagraph_trees",
-)
 
 
 def _cuda_states() -> list[torch.Tensor] | None:
@@ -243,63 +230,6 @@ class _Saved:
             torch.set_float32_matmul_precision(self.matmul)
         for read in self.configs:
             read.restore()
-
-
-def _lazy_cuda_preserver(original: Any) -> Any:
-    """A stand-in for Dynamo's ``preserve_rng_state`` (``original``) that
-    leaves CUDA uninitialized: while CUDA is not initialized it saves and
-    restores the CPU generator only; after, it is ``original``."""
-
-    @contextlib.contextmanager
-    def preserve_rng_state() -> Iterator[None]:
-        if torch.cuda.is_initialized():
-            with original():
-                yield
-            return
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes(), torch._C._DisableFuncTorch():
-            cpu = torch.random.get_rng_state().clone()
-        try:
-            yield
-        finally:
-            with _disable_current_modes():
-                torch.random.set_rng_state(cpu)
-
-    preserve_rng_state.cagrad_original = original  # type: ignore[attr-defined]
-    return preserve_rng_state
-
-
-@contextlib.contextmanager
-def cuda_left_uninitialized() -> Iterator[None]:
-    """Runs the body with Dynamo's ``preserve_rng_state`` swapped for
-    :func:`_lazy_cuda_preserver`'s in every module of
-    :data:`RNG_PRESERVER_MODULES` already imported (see the module
-    docstring); a no-op where CUDA is unavailable or already initialized,
-    or where the internal ``dynamo_preserve_rng_state`` failed its check
-    (the compile may then initialize CUDA, as torch.compile's does)."""
-    if not torch.cuda.is_available() or torch.cuda.is_initialized():
-        yield
-        return
-    from . import internals
-
-    if not internals.ok("dynamo_preserve_rng_state"):
-        yield
-        return
-    original = sys.modules["torch._dynamo.utils"].preserve_rng_state
-    original = getattr(original, "cagrad_original", original)
-    stand_in = _lazy_cuda_preserver(original)
-    swapped = []
-    for name in RNG_PRESERVER_MODULES:
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "preserve_rng_state", None) is original:
-            mod.preserve_rng_state = stand_in
-            swapped.append(mod)
-    try:
-        yield
-    finally:
-        for mod in swapped:
-            mod.preserve_rng_state = original
 
 
 @contextlib.contextmanager

@@ -370,7 +370,7 @@ def test_dynamo_preserve_rng_state(broken):
     uninitialized turns off (lazy_cuda), and compiles go on unchanged."""
     import torch._dynamo.utils as dynamo_utils
 
-    from cagrad.preserve import cuda_left_uninitialized
+    from cagrad.lazy_cuda import cuda_left_uninitialized
 
     broken.delattr(dynamo_utils, "preserve_rng_state")
     internals.recheck()

@@ -13,7 +13,7 @@ import cagrad
 ROOT = pathlib.Path(cagrad.__file__).parent
 STAGES = ["native", "autograd", "hooks", "keys", "capture", "compile", "run"]
 # in order: a leaf imports only the leaves before it
-LEAVES = ["errors", "counters", "internals", "preserve", "logs", "events", "internal_errors"]
+LEAVES = ["errors", "counters", "internals", "lazy_cuda", "preserve", "logs", "events", "internal_errors"]
 
 
 def _imports(path: pathlib.Path) -> list[tuple[int, list[str]]]:
