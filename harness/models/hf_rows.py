@@ -89,6 +89,19 @@ def gpt2(device: torch.device) -> Setup:
 
 
 @row(
+    "gpt2_grad_accum",
+    "transformers",
+    "GPT-2 as in gpt2, 2 micro-batches per step (gradient accumulation), zero_grad(set_to_none=False): "
+    "every backward adds into the .grad tensors it found; 2 steps",
+    steps=2,
+    micro_batches=2,
+    set_to_none=False,
+)
+def gpt2_grad_accum(device: torch.device) -> Setup:
+    return _causal_lm(gpt2_model(GPT2_CONFIG), device, F64)
+
+
+@row(
     "gpt2_compiled_forward",
     "transformers",
     "GPT-2 as in gpt2, its forward torch.compile(backend='aot_eager'): the backward holds "

@@ -27,19 +27,24 @@ def row(
     steps: int = 3,
     needs: tuple[str, ...] = (),
     compute_dtype: torch.dtype | None = None,
+    micro_batches: int = 1,
+    set_to_none: bool = True,
 ) -> Callable[[Callable[[torch.device], Setup]], Callable[[torch.device], Setup]]:
     """Decorator: registers ``build`` as the row ``name`` (keywords: the
     :class:`ModelRow` attributes) and returns it unchanged.
 
     Raises:
-        ValueError: ``name`` is already registered by another function.
+        ValueError: ``name`` is already registered by another function, or
+            ``micro_batches`` is below 1.
     """
 
     def wrap(build: Callable[[torch.device], Setup]) -> Callable[[torch.device], Setup]:
         old = _REGISTRY.get(name)
         if old is not None and old.build.__qualname__ != build.__qualname__:
             raise ValueError(f"model row {name!r} is already registered by {old.build.__qualname__}")
-        _REGISTRY[name] = ModelRow(name, library, description, build, dtype, steps, needs, compute_dtype)
+        _REGISTRY[name] = ModelRow(
+            name, library, description, build, dtype, steps, needs, compute_dtype, micro_batches, set_to_none
+        )
         return build
 
     return wrap

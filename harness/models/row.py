@@ -67,6 +67,13 @@ class ModelRow:
             every floating value is then judged with that dtype's tolerance
             (as :attr:`harness.stacks.stack.Stack.compute_dtype`), since a
             fusing backend rounds those steps otherwise than eager.
+        micro_batches: forward and backward passes per optimizer step,
+            their gradients summed into ``.grad`` (gradient accumulation, as
+            ``gradient_accumulation_steps`` of transformers' ``Trainer``).
+        set_to_none: how the trainer clears gradients before each step
+            (``optimizer.zero_grad(set_to_none=...)``): True frees ``.grad``,
+            so the first backward of a step creates it; False zeroes it in
+            place, so every backward accumulates into the same tensor.
     """
 
     name: str
@@ -77,6 +84,12 @@ class ModelRow:
     steps: int = 3
     needs: tuple[str, ...] = ()
     compute_dtype: torch.dtype | None = None
+    micro_batches: int = 1
+    set_to_none: bool = True
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ValueError(f"model row {self.name!r}: micro_batches must be at least 1, got {self.micro_batches}")
 
     @property
     def libraries(self) -> tuple[str, ...]:

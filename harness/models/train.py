@@ -7,10 +7,20 @@ engine, and records after each step, under these names:
 * ``step<i>.loss``: the loss (0-d tensor, the model's dtype);
 * ``step<i>.grad.<parameter>``: every parameter's ``.grad`` after the
   backward (``None`` where unset);
+* ``step<i>.grad_kept.<parameter>``: whether the backward left ``.grad``
+  the same tensor object it found (``None`` where there was none): eager's
+  ``AccumulateGrad`` adds into an existing ``.grad`` in place, and code
+  that holds a reference to it (an optimizer's state, a DDP bucket view)
+  sees the sum;
 * ``step<i>.grad_strides.<parameter>``: its strides, with ``None`` for
   dimensions of one element (a ``.grad`` layout eager would not give shows
   here even where the values agree);
 * ``step<i>.param.<parameter>``: every parameter after the optimizer step;
+
+With :attr:`ModelRow.micro_batches` above 1, each step runs that many
+forwards and backwards before the optimizer step, and the names above get
+the micro-batch after the step: ``step<i>.<m>.grad.<parameter>`` (the
+loss, ``.grad``, its strides and ``grad_kept`` after each backward).
 
 and :func:`harness.global_state.capture` after each step (RNG streams, grad
 mode, dtype, flags, Dynamo/inductor config).
@@ -36,7 +46,7 @@ import torch
 
 from harness.devices import seeded, synchronize
 from harness.global_state import GlobalState, capture
-from harness.models.row import ModelRow
+from harness.models.row import ModelRow, Setup
 from harness.outcome import ErrorInfo
 from harness.subjects import CagradSubject, Subject, counter_deltas
 
@@ -132,6 +142,25 @@ def _check_dtype(row: ModelRow, params: list[tuple[str, torch.nn.Parameter]]) ->
             raise TypeError(f"row {row.name!r} declares {row.dtype} parameters, but {name} is {p.dtype}")
 
 
+def _backward(
+    setup: Setup, subject: Subject, params: list[tuple[str, torch.nn.Parameter]], results: dict[str, Any], where: str
+) -> None:
+    """One forward, and its backward inside ``subject``; records the loss
+    and every parameter's ``.grad``, strides and ``grad_kept`` under
+    ``where``."""
+    loss = setup.loss()
+    found = [p.grad for _, p in params]
+    with subject.active():
+        loss.backward()
+    _record(results, f"{where}.loss", loss)
+    for name, p in params:
+        _record(results, f"{where}.grad.{name}", p.grad)
+    for name, p in params:
+        _record(results, f"{where}.grad_strides.{name}", _strides(p.grad))
+    for (name, p), old in zip(params, found):
+        _record(results, f"{where}.grad_kept.{name}", None if old is None else p.grad is old)
+
+
 def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) -> RowRun:
     """Runs ``row`` under ``subject`` on ``device`` from ``seed`` and returns
     what it recorded. Never raises an ``Exception`` of the row or the engine
@@ -150,15 +179,10 @@ def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) 
             params = list(setup.model.named_parameters())
             _check_dtype(row, params)
             for step in range(row.steps):
-                setup.optimizer.zero_grad(set_to_none=True)
-                loss = setup.loss()
-                with subject.active():
-                    loss.backward()
-                _record(out.results, f"step{step}.loss", loss)
-                for name, p in params:
-                    _record(out.results, f"step{step}.grad.{name}", p.grad)
-                for name, p in params:
-                    _record(out.results, f"step{step}.grad_strides.{name}", _strides(p.grad))
+                setup.optimizer.zero_grad(set_to_none=row.set_to_none)
+                for micro in range(row.micro_batches):
+                    where = f"step{step}" if row.micro_batches == 1 else f"step{step}.{micro}"
+                    _backward(setup, subject, params, out.results, where)
                 setup.optimizer.step()
                 for name, p in params:
                     _record(out.results, f"step{step}.param.{name}", p)

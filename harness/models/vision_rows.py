@@ -56,6 +56,21 @@ def resnet(device: torch.device) -> Setup:
 
 
 @row(
+    "resnet_grad_accum",
+    "torchvision",
+    "ResNet as in resnet, 3 micro-batches per step (gradient accumulation; BatchNorm's running "
+    "statistics move each forward), .grad freed between steps: the first backward of a step creates "
+    "it, the next two add into it; 2 steps",
+    steps=2,
+    micro_batches=3,
+)
+def resnet_grad_accum(device: torch.device) -> Setup:
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    return _classifier(ResNet(BasicBlock, [1, 1, 1, 1], num_classes=CLASSES), device)
+
+
+@row(
     "resnet_amp_channels_last",
     "torchvision",
     "ResNet as in resnet with float32 parameters in channels_last, images in channels_last, the "

@@ -60,6 +60,16 @@ registry.row(
 )(mlp_dropout_row)
 
 
+# the same model with gradient accumulation: 2 micro-batches, .grad zeroed in place
+registry.row(
+    "plain_mlp_accumulating",
+    "torch",
+    "test row: plain_mlp_dropout, 2 micro-batches per step, zero_grad(set_to_none=False)",
+    micro_batches=2,
+    set_to_none=False,
+)(mlp_dropout_row)
+
+
 @registry.row("plain_process_exits", "torch", "test row: its process exits with code 3 while building")
 def process_exits_row(device: torch.device) -> Setup:
     os._exit(3)
@@ -91,6 +101,10 @@ def _scale_first_grad() -> None:
 def _transpose_first_grad() -> None:
     g = _PARAMS[0].grad
     _PARAMS[0].grad = g.t().contiguous().t()  # same values, column-major strides
+
+
+def _replace_first_grad() -> None:
+    _PARAMS[0].grad = _PARAMS[0].grad.clone()  # same values and strides, another tensor
 
 
 def _draw_rng() -> None:
@@ -167,6 +181,35 @@ def test_judge_names_the_first_difference(after, where: str) -> None:
         # 1e-5 relative on float64: far outside the same-kernel tolerance (1e-7)
         assert o.mismatches[0].max_abs is not None and o.mismatches[0].max_abs > 0
     assert not o.ok
+
+
+def test_an_accumulating_row_matches_and_records_each_micro_batch() -> None:
+    row = registry.get("plain_mlp_accumulating")
+    eager = run_row(row, [EagerSubject("eager")], torch.device("cpu"))
+    o = _only(run_row(row, [make_subject("cagrad[eager]")], torch.device("cpu")))
+    assert o.status is RowStatus.MATCH, o.describe()
+    # 3 steps x 2 micro-batches: 1 capture, 5 hits
+    assert (o.counts["captures"], o.counts["cache_hits"]) == (1, 5)
+    assert _only(eager).status is RowStatus.MATCH
+
+
+@pytest.mark.parametrize(
+    ("after", "where"),
+    [(_replace_first_grad, "step0.1.grad_kept.0.weight"), (_scale_first_grad, "step0.0.grad.0.weight")],
+    ids=["grad_replaced", "grad_value"],
+)
+def test_judge_sees_accumulation_into_another_tensor(after, where: str) -> None:
+    # .grad zeroed in place before each step: eager adds into the tensor a
+    # backward finds, so one that leaves another tensor there (same values)
+    # differs; the first backward finds none (step0.0), the second does
+    o = _only(run_row(registry.get("plain_mlp_accumulating"), [_Breaking("broken", after)], torch.device("cpu")))
+    assert o.status is RowStatus.MISMATCH, o.describe()
+    assert o.mismatches[0].where == where, o.describe()
+
+
+def test_a_row_needs_one_micro_batch_at_least() -> None:
+    with pytest.raises(ValueError, match="micro_batches must be at least 1, got 0"):
+        registry.row("plain_no_batches", "torch", "test row", micro_batches=0)(mlp_dropout_row)
 
 
 def _scale_first_grad_by_1e6() -> None:
