@@ -121,8 +121,13 @@ def step_loop(program: Any, step_body: Sequence[str]) -> list[str]:
         f"    optimizer.zero_grad(set_to_none={t.set_to_none})",
         *("    " + line for line in work[: len(work) - 2]),  # the forward (the backward loop is the last 2 lines)
         f"    trace.append(({at}outputs', [o.detach().clone() for o in outputs]))",
+        f"    found = [{', '.join(f'{n}.grad' for n in names)}]",
         *("    " + line for line in work[len(work) - 2 :]),
         *(f"    trace.append(({at}{n} .grad', None if {n}.grad is None else {n}.grad.detach().clone()))" for n in names),
+        *(
+            f"    trace.append(({at}{n} .grad kept', None if found[{i}] is None else {n}.grad is found[{i}]))"
+            for i, n in enumerate(names)
+        ),
         f"    trace.append(({at}state cpu_rng', hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]))",
         "    if torch.device(device).type == 'cuda':",
         (

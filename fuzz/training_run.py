@@ -10,6 +10,10 @@ compiled one alike), recording after each step, as
 
 * ``train step s/k: outputs``: the roots' values (the loss);
 * ``train step s/k: <leaf> .grad``: every leaf's ``.grad`` after the backward;
+* ``train step s/k: <leaf> .grad kept``: whether the backward left that
+  ``.grad`` the tensor object it found (``None`` where it found none):
+  eager's ``AccumulateGrad`` adds into an existing ``.grad`` in place, so a
+  reference to it (a DDP bucket view) sees the sum;
 * ``train step s/k: state cpu_rng`` (and ``cuda_rng`` on CUDA): the random
   stream right after the backward (a difference is of kind ``state``);
 * ``train step s/k: <leaf>``: every parameter after ``optimizer.step()``.
@@ -147,9 +151,12 @@ def make_driver(program: Any, device: Any, values: Mapping[str, torch.Tensor], r
                 new = run_from_values(program, stepped, device, run.trace)
                 run.leaves, run.outputs, run.grad_outputs, run.inputs = new.leaves, new.outputs, new.grad_outputs, new.inputs
             run.trace.append(Observation(at + "outputs", [copy(o) for o in run.outputs]))
+            found = [leaf.grad for leaf in run.leaves]
             result = run_backward(dataclasses.replace(run, driver=None))
             for name, leaf in zip(names, run.leaves):
                 run.trace.append(Observation(f"{at}{name} .grad", copy(leaf.grad)))
+            for name, leaf, old in zip(names, run.leaves, found):
+                run.trace.append(Observation(f"{at}{name} .grad kept", None if old is None else leaf.grad is old))
             run.trace.extend(rng_observations(at, device))
             optimizer.step()
             for name, p in params.items():

@@ -184,13 +184,16 @@ def test_each_step_records_outputs_grads_stream_and_parameters() -> None:
         run = build_run(_mlp())
         run_backward(run)
     labels = [entry.label for entry in run.trace]
-    per_step = ["outputs", "x .grad", "w1 .grad", "w2 .grad", "state cpu_rng", "w1", "w2"]
+    per_step = ["outputs", "x .grad", "w1 .grad", "w2 .grad", "x .grad kept", "w1 .grad kept", "w2 .grad kept"]
+    per_step += ["state cpu_rng", "w1", "w2"]
     assert labels == [f"train step {s}/2: {what}" for s in (1, 2) for what in per_step]
     by = {e.label: e.value for e in run.trace}
     # the data is drawn anew, the parameters move, set_to_none=False zeroes in place
     assert not torch.equal(by["train step 1/2: w1"], by["train step 2/2: w1"])
     assert by["train step 1/2: x .grad"] is None
     assert run.leaves[1].grad is not None
+    # no .grad before the first backward; zeroed in place, then added into, at the second
+    assert by["train step 1/2: w1 .grad kept"] is None and by["train step 2/2: w1 .grad kept"] is True
 
 
 def test_moe_routes_zero_and_one_token_to_some_expert() -> None:
@@ -227,6 +230,16 @@ def test_a_skipped_optimizer_step_is_caught_by_the_parameters() -> None:
     (outcome,) = verdict.report.outcomes
     assert [m.where for m in outcome.mismatches] == ["train step 1/1: w1", "train step 1/1: w2"]
     assert failure_key(outcome).kind == "value"
+
+
+def test_a_grad_written_anew_instead_of_added_into_is_caught() -> None:
+    # set_to_none=False: the second step's backward finds zeroed .grad
+    # tensors and must add into them; a copy in their place has eager's
+    # values and strides, and only the identity tells
+    verdict = _planted("ReplacesGrad").run(_mlp())
+    (outcome,) = verdict.report.outcomes
+    where = [m.where for m in outcome.mismatches]
+    assert where == ["train step 2/2: w1 .grad kept", "train step 2/2: w2 .grad kept"], where
 
 
 def test_a_draw_after_the_backward_is_a_state_mismatch_at_that_step() -> None:

@@ -13,6 +13,10 @@
 * ``BrokenIndexAdd``: eager autograd that adds 1 to every leaf ``.grad``
   after a backward whose graph holds an ``IndexAddBackward0`` node (the
   data-dependent-size ops route through ``index_add``).
+* ``ReplacesGrad``: eager autograd that, after every backward, puts a copy
+  of each leaf's ``.grad`` in its place: the same values and strides in
+  another tensor, as a compiled autograd that writes a new ``.grad``
+  instead of adding into the one it found would leave.
 """
 
 from __future__ import annotations
@@ -87,6 +91,24 @@ class BrokenIndexAdd(harness.EagerSubject):
                     for leaf in run.leaves:
                         if leaf.grad is not None:
                             leaf.grad.add_(1)
+            return out
+
+        with mock.patch.object(torch.autograd, "backward", patched):
+            return run_backward(run)
+
+
+class ReplacesGrad(harness.EagerSubject):
+    def __init__(self) -> None:
+        super().__init__("replaces_grad[eager]")
+
+    def run(self, run: ProgramRun):
+        original = torch.autograd.backward
+
+        def patched(tensors, *args, **kwargs):
+            out = original(tensors, *args, **kwargs)
+            for leaf in run.leaves:
+                if leaf.grad is not None:
+                    leaf.grad = leaf.grad.clone()
             return out
 
         with mock.patch.object(torch.autograd, "backward", patched):
