@@ -38,6 +38,11 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``keys.subclasses``             tensor subclasses: keyed, lifted flattened, rebuilt
 ``capture/`` (trace)
 ``capture.compiler``            AutogradCompilerInstance: the trace
+``capture.traced``              Traced: what a capture produces; the graph's placeholders and opaque targets
+``capture.node_apply``          a node's backward applied under the trace (formula, AOT, custom Function)
+``capture.aot_backward``        an AOTAutograd backward graph run op by op under the trace
+``capture.layouts``             dense strides in a dimension order; an opaque call's assumed layout
+``capture.graph_checks``        checks and passes on a captured graph (subclasses, pruning, aliasing)
 ``capture.runtime_ops``         opaque calls: hooks, opaque nodes, AccumulateGrad
 ``capture.segments``            graphs cut at opaque calls, compiled per segment
 ``capture.shape_env``           the trace's ShapeEnv: sizes of 1 as symbols

@@ -169,17 +169,8 @@ def _repro_comment_without_gpu() -> Iterator[None]:
         return original() if torch.cuda.is_initialized() else _NO_GPU_COMMENT
 
     comment.cagrad_original = original  # type: ignore[attr-defined]
-    swapped = []
-    for name in REPRO_COMMENT_MODULES:
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "_cuda_system_info_comment", None) is original:
-            mod._cuda_system_info_comment = comment
-            swapped.append(mod)
-    try:
+    with _bound_names_swapped(REPRO_COMMENT_MODULES, "_cuda_system_info_comment", original, comment):
         yield
-    finally:
-        for mod in swapped:
-            mod._cuda_system_info_comment = original
 
 
 @contextlib.contextmanager
@@ -229,6 +220,24 @@ def _flush_runtime_metrics() -> None:
         finish()
 
 
+@contextlib.contextmanager
+def _bound_names_swapped(modules: tuple[str, ...], attr: str, original: Any, stand_in: Any) -> Iterator[None]:
+    """Runs the body with ``attr`` set to ``stand_in`` in each module of
+    ``modules`` already imported that binds it to ``original`` (``from m
+    import f`` binds a module's own name), and puts each back after."""
+    swapped = []
+    for name in modules:
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, attr, None) is original:
+            setattr(mod, attr, stand_in)
+            swapped.append(mod)
+    try:
+        yield
+    finally:
+        for mod in swapped:
+            setattr(mod, attr, original)
+
+
 def _cache_size(fn: Any) -> int:
     """Entries in a ``functools.cache``d function's cache; 0 where ``fn``
     has none (it may be wrapped by torch's own decorators)."""
@@ -255,15 +264,10 @@ def cuda_left_uninitialized() -> Iterator[None]:
     original = sys.modules["torch._dynamo.utils"].preserve_rng_state
     original = getattr(original, "cagrad_original", original)
     stand_in = _lazy_cuda_preserver(original)
-    swapped = []
-    for name in RNG_PRESERVER_MODULES:
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "preserve_rng_state", None) is original:
-            mod.preserve_rng_state = stand_in
-            swapped.append(mod)
-    try:
-        with _system_info_left_unread(), _repro_comment_without_gpu(), _triton_left_unprobed():
-            yield
-    finally:
-        for mod in swapped:
-            mod.preserve_rng_state = original
+    with (
+        _bound_names_swapped(RNG_PRESERVER_MODULES, "preserve_rng_state", original, stand_in),
+        _system_info_left_unread(),
+        _repro_comment_without_gpu(),
+        _triton_left_unprobed(),
+    ):
+        yield

@@ -30,14 +30,12 @@ tensors never reads a value, so the graph depends only on what
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import internals
 
@@ -52,41 +50,24 @@ disable_proxy_modes_tracing = internals.import_attr("fake_tensor_capture", _PROX
 fetch_object_proxy = internals.import_attr("fake_tensor_capture", _PROXY, "fetch_object_proxy")
 track_tensor_tree = internals.import_attr("fake_tensor_capture", _PROXY, "track_tensor_tree")
 
-from ..autograd import custom_function, formulas, run_context, saved_variables
-from ..autograd.accumulate import dense_strides
-from ..autograd.graph_task import GraphTask, NodeCall
+from ..autograd import run_context, saved_variables
+from ..autograd.graph_task import GraphTask
 from ..autograd.saved_variables import SwapSavedVariables
 from ..autograd.validate import validate_outputs
-from ..autograd.walk import MUST_BE_NONE, PASS, THIS_CALL, BackwardWalk, Kind, Layout, NodePlan, Obj, ResumePoint
+from ..autograd.walk import MUST_BE_NONE, PASS, THIS_CALL, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
 from ..counters import counters
-from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
-from ..hooks import backward_tracing
+from ..errors import HookTraceFailed, Unsupported
 from ..keys import subclasses
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
 from . import runtime_ops, shape_env
+from .graph_checks import aliases_input, check_no_opaque_calls, check_subclass_capture, holds_nested_int, prune
+from .layouts import Spec, spec_of
+from .node_apply import NodeApplication
 from .shells import LiftedShell
+from .traced import NON_STRIDED, OPAQUE_TARGETS, PLACEHOLDERS, Traced
 
 log = logging.getLogger("cagrad")
-
-PLACEHOLDERS = ("inputs", "sizes", "scalars", "hooks", "packed_inputs")
-
-# the runtime ops a graph may call; they have side effects, so they are never
-# removed as dead code
-OPAQUE_TARGETS = frozenset(
-    getattr(runtime_ops, name)
-    for name in (
-        "tensor_pre_hooks",
-        "retain_grad",
-        "node_pre_hooks",
-        "node_post_hooks",
-        "cpp_post_hooks",
-        "accumulate",
-        "call_node",
-        "call_custom_function",
-        "backward_state_hook",
-    )
-)
 
 # hook calls whose dict may be traced (Collector.traced_hooks): op -> what
 # its hooks are called in logs and node tags
@@ -95,87 +76,6 @@ _TRACEABLE_HOOKS = {
     "node_pre_hooks": "node pre-hook",
     "node_post_hooks": "node post-hook",
 }
-
-# in a deopt pattern (see cagrad.run.runtime): this result was defined but not
-# strided where the graph uses it as strided (see cagrad.capture.segments); truthy,
-# so the walk still treats it as defined, and the capture that follows falls
-# back (non_strided_tensor) instead of assuming a strided gradient again
-NON_STRIDED = "non_strided"
-
-# what an opaque call is assumed to return: (shape, dtype, device, stride)
-Spec = tuple[tuple[Any, ...], torch.dtype, torch.device, tuple[Any, ...]]
-
-
-@dataclasses.dataclass
-class Traced:
-    """The result of one capture.
-
-    Attributes:
-        graph_module: the backward as one GraphModule (see module docstring).
-        input_indices: for each graph input ``inputs[j]``, the index of the
-            lifted tensor it is (unused ones pruned).
-        leaf_outputs: ``(position in GraphTask.order, graph output index)``
-            of every leaf gradient accumulated after the graph.
-        capture_outputs: per ``autograd.grad`` input, its graph output index
-            or None (no gradient reaches it).
-        aliases_input: per graph output, whether it shares storage with a
-            graph input (then it must be copied before it becomes ``.grad``).
-        accumulate_at_end: leaves are accumulated after the graph (no opaque
-            call could observe ``.grad`` during it).
-        check: which size slot values this graph accepts.
-        size_inputs: per graph size input ``sizes[j]``, the function of the
-            check's symbol values that gives it.
-        to_value: turns a SymInt of the trace into a function of the check's
-            symbol values (ints pass through as constants); used to evaluate
-            opaque calls' assumed shapes at run time.
-        plans: the node plans the graph was traced with (nodes forced to run
-            as they are included).
-        force_opaque: positions of nodes that failed to trace and run as
-            they are; their nodes follow the collected runtime objects, in
-            position order (see :func:`runtime_objects`).
-        shape_env: the trace's ShapeEnv (None when every size is static); a
-            backend compiling the graph directly adds its guards to it.
-        output_specs: None where every output is plain; else, per output
-            (``leaf_outputs`` and ``capture_outputs`` count these), the
-            :class:`~cagrad.keys.subclasses.SubclassSpec` of a tensor
-            subclass the graph returns as its inner tensors, or None: the
-            runtime rebuilds the subclass before anything reads the outputs
-            (:func:`cagrad.keys.subclasses.rebuild`), and ``aliases_input``
-            is per graph output (flat).
-        retain_outputs: ``(runtime object index of the weakref to a tensor
-            that retains its gradient, graph output index)`` of each
-            ``retain_grad`` gradient set as ``.grad`` after the graph, in run
-            order (empty where they are opaque calls in the graph).
-    """
-
-    graph_module: torch.fx.GraphModule
-    input_indices: list[int]
-    leaf_outputs: list[tuple[int, int]]
-    capture_outputs: list[int | None]
-    aliases_input: list[bool]
-    accumulate_at_end: bool
-    check: SizeCheck
-    size_inputs: list[Any]
-    to_value: Any
-    plans: list[Any]
-    force_opaque: frozenset[int]
-    shape_env: Any = None
-    output_specs: list[Any] | None = None
-    retain_outputs: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def has_opaque_calls(self) -> bool:
-        return any(
-            n.op == "call_function" and n.target in OPAQUE_TARGETS
-            for n in self.graph_module.graph.nodes
-        )
-
-
-def runtime_objects(objects: list[Any], run_order: Sequence[Any], force_opaque: frozenset[int]) -> list[Any]:
-    """The graph's ``hooks`` list: the collected ``objects``, then the
-    forced-opaque nodes (``run_order``: the backward's nodes in run order)."""
-    return objects + [run_order[pos] for pos in sorted(force_opaque)]
-
 
 def _forced_plans(
     collector: Collector, task: GraphTask, force_opaque: frozenset[int]
@@ -192,81 +92,6 @@ def _forced_plans(
     return plans
 
 
-class _AotBackward(torch.fx.Interpreter):
-    """Runs an AOTAutograd backward graph op by op, so the trace records it.
-
-    ``aten.view`` becomes ``aten.reshape``: the lazily compiled backward graph
-    has not had the view-to-reshape pass the forward's compile applied, and
-    saved tensors may not be viewable the way it assumed (torch's compiled
-    autograd rewrites the same way when it inlines these graphs).
-
-    Args:
-        hooks: ``{graph node name: hook name}`` of the graph's tensor hook
-            calls on its ``BackwardState`` (see
-            :func:`cagrad.autograd.custom_function.backward_state_hooks`); each runs as
-            ``call_hook(hook name, gradient)`` instead (the state placeholder
-            is then never read).
-    """
-
-    def __init__(
-        self,
-        module: torch.fx.GraphModule,
-        hooks: dict[str, str] | None = None,
-        call_hook: Any = None,
-    ) -> None:
-        super().__init__(module)
-        self.hooks = hooks or {}
-        self.call_hook = call_hook
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        name = self.hooks.get(n.name) if n.op == "call_function" else None
-        if name is None:
-            return super().run_node(n)
-        return self.call_hook(name, self.env[n.args[0]])
-
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if target is torch.ops.aten.view.default:
-            target = torch.ops.aten.reshape.default
-        return super().call_function(target, args, kwargs)
-
-
-# what an inlined AOT backward graph gets for its BackwardState input: the
-# state's only uses run as ``call_hook`` and never read it
-_STATE_PLACEHOLDER = object()
-
-
-def run_aot_backward(
-    info: tuple[Any, Any, Any],
-    saved: list,
-    symints: list,
-    grads: list,
-    call_hook: Any = None,
-) -> Any:
-    """Runs an AOTAutograd backward graph as torch's compiled autograd
-    inlines it (``proxy_call_aot_backward``): prologue, graph, epilogue.
-
-    Args:
-        info: the node's :func:`~cagrad.autograd.custom_function.aot_inline_info`.
-        saved, symints, grads: the ctx's saved tensors and symints and the
-            materialized incoming gradients.
-        call_hook: for a graph that takes a ``BackwardState``:
-            ``call_hook(hook name, gradient) -> gradient`` runs each of its
-            tensor hooks.
-    """
-    bw_module, prologue, epilogue = info
-    all_args = prologue(saved, list(symints), [], list(grads))
-    state = custom_function.backward_state_hooks(bw_module)
-    hooks = None
-    if state is not None:
-        # torch's convention: [*symints, *saved, *grads, backward_state]
-        _, hooks = state
-        num_placeholders = sum(1 for n in bw_module.graph.nodes if n.op == "placeholder")
-        if hooks is None or call_hook is None or len(all_args) != num_placeholders - 1:
-            raise RuntimeError("cannot pass the BackwardState of this AOT backward graph")
-        all_args = [*all_args, _STATE_PLACEHOLDER]
-    return epilogue(_AotBackward(bw_module, hooks, call_hook).run(*all_args))
-
-
 class _Passed:
     """An item of an opaque call's result that the trace does not look at
     (:data:`~cagrad.autograd.walk.PASS`): later opaque calls get it as it is."""
@@ -277,61 +102,7 @@ class _Passed:
         self.proxy = proxy
 
 
-def contiguous_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch computes them)."""
-    strides = []
-    acc: Any = 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc = acc * torch.sym_max(s, 1)
-    return tuple(reversed(strides))
-
-
-def dimension_order(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s dimensions from the outermost (largest stride) to the
-    innermost. A dimension of one element right inside another of the same
-    stride (dense strides in this order give it that stride, as ``t`` has);
-    other ties in index order."""
-    stride, shape = t.stride(), t.shape
-    return tuple(sorted(range(t.dim()), key=lambda d: (-stride[d], shape[d] == 1, d)))
-
-
-def strides_in_order(shape: Sequence[Any], order: Sequence[int]) -> tuple[Any, ...]:
-    """The strides of a dense tensor of ``shape`` whose dimensions, from the
-    outermost, are ``order`` (a permutation, :func:`dimension_order`; the
-    identity gives :func:`contiguous_strides`)."""
-    strides: list[Any] = [None] * len(shape)
-    acc: Any = 1
-    for d in reversed(order):
-        strides[d] = acc
-        acc = acc * torch.sym_max(shape[d], 1)
-    return tuple(strides)
-
-
-def _spec_of(value: Any) -> Spec | None:
-    if value is None:
-        return None
-    if isinstance(value, Layout):
-        # learnt from a run (BackwardWalk's profile): the real layout
-        spec = _spec_of(value.expected)
-        if spec is None or sorted(value.order) != list(range(len(spec[0]))):
-            return spec
-        return (spec[0], spec[1], spec[2], strides_in_order(spec[0], value.order))
-    if isinstance(value, torch.Tensor):
-        # what an opaque call returning "this gradient, maybe replaced" is
-        # assumed to return: this layout if it is dense (a copy into it is
-        # always possible), else the contiguous one
-        shape, stride = tuple(value.shape), tuple(value.stride())
-        if not (value.is_contiguous() or dense_strides(shape, stride)):
-            stride = contiguous_strides(shape)
-        return (shape, value.dtype, value.device, stride)
-    # (shape, dtype, device): the engine's promise for a gradient on an edge
-    shape, dtype, device = value
-    shape = tuple(shape)
-    return (shape, dtype, device, contiguous_strides(shape))
-
-
-class AutogradCompilerInstance:
+class AutogradCompilerInstance(NodeApplication):
     """Builds the graph for one backward (a new instance per capture).
 
     Args:
@@ -478,7 +249,7 @@ class AutogradCompilerInstance:
         if isinstance(t, LiftedShell) and not self.symbolic:
             # a trace after the run freed the tensor (cagrad.capture.shells)
             shape, stride, offset = list(t.shape), list(t.stride()), t.storage_offset()
-        elif not self.symbolic and _holds_nested_int(t):
+        elif not self.symbolic and holds_nested_int(t):
             # from_tensor would describe its nested int, which a fake mode
             # without a ShapeEnv cannot make: a fake of its own (the jagged
             # tensor rebuilt from it gets the captured nested int)
@@ -536,134 +307,6 @@ class AutogradCompilerInstance:
         self._tag_since(marker, origin)
         return out
 
-    def _sym_attr(self, call: NodeCall, attr: str) -> Any:
-        slots = self.collector.attr_slots[(call.id, attr)]
-        if slots is None:
-            return None
-        if isinstance(slots, tuple):
-            return [self.slot_values[k] for k in slots]
-        return self.slot_values[slots]
-
-    def apply_traced(self, pos: int, call: NodeCall, inputs: list) -> list:
-        name = call.name
-        marker = self._last_node()
-        try:
-            if name in formulas.FORMULAS and (self.symbolic or name in formulas.ALWAYS):
-                out = formulas.apply(
-                    name,
-                    call.node,
-                    inputs,
-                    lambda attr: self._sym_attr(call, attr),
-                    lambda i: self.metadata(*call.edges[i]),
-                )
-            else:
-                out = call.node(*inputs)
-        except Unsupported:
-            raise
-        except formulas.NonStridedGradient as e:
-            raise NodeTraceFailed(f"non_strided_gradient:{name}", str(e), pos) from e
-        except Exception as e:
-            raise NodeTraceFailed(f"trace_failed:{name}", f"{type(e).__name__}: {e}", pos) from e
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for g in outs:
-            if g is not None and g.layout is not torch.strided and not subclasses.is_wrapper_subclass(g):
-                # (EmbeddingBackward0 with sparse=True): the node runs as it
-                # is, and its gradient is checked where it returns (see
-                # cagrad.capture.segments: it may reach .grad, not a traced op)
-                raise NodeTraceFailed(
-                    f"non_strided_gradient:{name}", f"{name} returns a {g.layout} gradient", pos
-                )
-        self._tag_since(marker, f"{name} (NodeCall {pos})")
-        return outs
-
-    def apply_aot(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
-        node = call.node
-        info = custom_function.aot_inline_info(node)
-        symints = self._sym_attr(call, "symints") or []
-        origin = f"{call.name} (NodeCall {pos})"
-
-        def call_hook(name: str, grad: torch.Tensor) -> torch.Tensor:
-            # a tensor hook of the forward's BackwardState (runtime object
-            # plan.node): an opaque call assumed to keep the gradient's
-            # shape, dtype and device, which runtime_ops checks
-            return self.opaque(
-                "backward_state_hook",
-                (Obj(plan.node), name, grad),
-                grad,
-                f"{origin} hook {name}",
-                None,
-                pos,
-            )
-
-        def backward(args: list) -> Any:
-            saved = list(node.saved_tensors)
-            return run_aot_backward(info, saved, list(symints), args, call_hook)
-
-        return self._apply_pynode(pos, call, plan, inputs, backward, origin)
-
-    def apply_custom(self, pos: int, call: NodeCall, plan: NodePlan, inputs: list) -> list:
-        """Traces a custom Function's backward (accepted by
-        :mod:`cagrad.hooks.backward_tracing`) inside PyNode's steps: its
-        ``ctx.saved_tensors`` unpack to their fakes (the swap), and what it
-        reads of the ctx is in the key. Any failure (a value read, an op
-        without a fake kernel, an error eager would raise) makes the node
-        run as it is in the next try (:class:`NodeTraceFailed`)."""
-        node = call.node
-        origin = f"{call.name} (NodeCall {pos})"
-        fn = backward_tracing.user_backward(node, run_context.create_graph())
-
-        def backward(args: list) -> Any:
-            if fn is None:  # (the key said traceable: not reached)
-                raise RuntimeError("the backward is no longer traceable")
-            # a ctx torch.Size reads as its size slots (symbolic where they
-            # are dynamic): put in the ctx for the trace, then put back
-            own = node.__dict__
-            real = {}
-            for attr, _ in backward_tracing.ctx_sizes(node, run_context.create_graph()):
-                real[attr] = own[attr]
-                own[attr] = torch.Size(self._sym_attr(call, "ctx." + attr))
-            try:
-                return fn(node, *args)
-            finally:
-                own.update(real)
-
-        outs = self._apply_pynode(pos, call, plan, inputs, backward, origin)
-        counters.bump("custom_functions_traced")
-        return outs
-
-    def _apply_pynode(
-        self, pos: int, call: NodeCall, plan: NodePlan, inputs: list, backward: Any, origin: str
-    ) -> list:
-        """PyNode's steps (:func:`custom_function.apply`) around ``backward``,
-        traced; the ops it adds are tagged with ``origin``. A failure other
-        than Unsupported raises NodeTraceFailed (the node then runs as it is)."""
-        node = call.node
-        marker = self._last_node()
-        try:
-            outs = custom_function.apply(
-                node, plan.record, call.edges, inputs, backward, self.metadata,
-                self._output_shape(call, plan),
-            )
-        except Unsupported:
-            raise
-        except Exception as e:
-            raise NodeTraceFailed(f"trace_failed:{call.name}", f"{type(e).__name__}: {e}", pos) from e
-        self._tag_since(marker, origin)
-        return outs
-
-    def _output_shape(self, call: NodeCall, plan: NodePlan) -> Any:
-        """Forward output ``i``'s shape for its materialized zero gradient:
-        its size slots where the key has them (see
-        :meth:`Collector.write_outputs`), else the target's metadata."""
-
-        def output_shape(i: int) -> Sequence[Any]:
-            start = self.collector.output_slots.get((call.id, i))
-            if start is None:
-                return self.metadata(call.node, i)[0]
-            return self.slot_values[start : start + len(plan.record.outputs[i].shape)]
-
-        return output_shape
-
     def _arg(self, a: Any) -> Any:
         if isinstance(a, Obj):
             return self.hooks_proxy[a.index]
@@ -693,7 +336,7 @@ class AutogradCompilerInstance:
             return None
         if isinstance(result, list):
             specs = [
-                r if r is MUST_BE_NONE else None if r is PASS else _spec_of(r) for r in result
+                r if r is MUST_BE_NONE else None if r is PASS else spec_of(r) for r in result
             ]
             outs: list = []
             for i, spec in enumerate(specs):
@@ -712,7 +355,7 @@ class AutogradCompilerInstance:
                 track_tensor_tree(fake, item, constant=None, tracer=self.tracer)
                 outs.append(fake)
         else:
-            specs = _spec_of(result)
+            specs = spec_of(result)
             outs = self._fake(specs)
             track_tensor_tree(outs, proxy, constant=None, tracer=self.tracer)
         node.meta["cagrad_spec"] = specs
@@ -794,7 +437,7 @@ class AutogradCompilerInstance:
         real = self.args.tensors
         subclass = self.collector.has_subclass
         if subclass:
-            _check_subclass_capture(self.symbolic)
+            check_subclass_capture(self.symbolic)
         with self.fake_mode:
             handed_out: set[int] = set()
             fakes = [self._lifted_fake(i, t, handed_out) for i, t in enumerate(real)]
@@ -844,7 +487,7 @@ class AutogradCompilerInstance:
             outputs.append(g)
         output_specs = None
         if subclass:
-            _check_no_opaque_calls(tracer.graph)
+            check_no_opaque_calls(tracer.graph)
             if retain_outputs:
                 raise Unsupported("tensor_subclass", "a tensor subclass in a backward with retain_grad")
             flat: list[torch.Tensor] = []
@@ -862,7 +505,7 @@ class AutogradCompilerInstance:
             used_inputs,
             leaf_outputs,
             capture_outputs,
-            _aliases_input(outputs, fakes),
+            aliases_input(outputs, fakes),
             self.accumulate_at_end,
             check,
             size_inputs,
@@ -919,8 +562,8 @@ class AutogradCompilerInstance:
                 n.is_impure() or n.target in OPAQUE_TARGETS or n.name in resumed
             )
         )
-        used_inputs = _prune(graph, "inputs")
-        used_sizes = _prune(graph, "sizes")
+        used_inputs = prune(graph, "inputs")
+        used_sizes = prune(graph, "sizes")
         graph.lint()
         return (
             torch.fx.GraphModule(self.tracer.root, graph, "CompiledAutograd"),
@@ -951,54 +594,3 @@ class AutogradCompilerInstance:
                 if user.op == "call_function" and user.target is torch.ops.aten.detach.default:
                     user.replace_all_uses_with(read)
                     graph.erase_node(user)
-
-
-def _check_subclass_capture(symbolic: bool) -> None:
-    """What a backward with a tensor subclass does not compile (see
-    :mod:`cagrad.keys.subclasses`)."""
-    if run_context.create_graph():
-        raise Unsupported(
-            "tensor_subclass",
-            "create_graph=True with a tensor subclass (a rebuilt subclass gradient has no graph)",
-        )
-    if symbolic:
-        raise Unsupported("tensor_subclass", "dynamic sizes in a backward with a tensor subclass")
-
-
-def _check_no_opaque_calls(graph: torch.fx.Graph) -> None:
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in OPAQUE_TARGETS:
-            raise Unsupported(
-                "tensor_subclass",
-                f"a tensor subclass in a backward with opaque calls ({node.meta.get('autograd_node', node.name)})",
-            )
-
-
-def _prune(graph: torch.fx.Graph, placeholder: str) -> list[int]:
-    """Renumbers ``<placeholder>[i]`` reads so the list holds only used items."""
-    ph = next(n for n in graph.nodes if n.op == "placeholder" and n.target == placeholder)
-    reads = sorted(
-        (u for u in ph.users if u.op == "call_function" and u.args[0] is ph),
-        key=lambda u: u.args[1],
-    )
-    used = []
-    for new_index, user in enumerate(reads):
-        used.append(user.args[1])
-        user.args = (ph, new_index)
-    return used
-
-
-def _aliases_input(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[bool]:
-    storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
-    return [StorageWeakRef(o.untyped_storage()) in storages for o in outputs]
-
-
-def _holds_nested_int(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a nested tensor's offsets (or lengths), holding its
-    nested int, or a view of a nested tensor or of such a tensor (a
-    ``values()`` saved for a node)."""
-    registry = internals.nested_int_registry()
-    if registry is None:
-        return False
-    base = t._base
-    return t in registry or (base is not None and (base.is_nested or base in registry))

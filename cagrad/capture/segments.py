@@ -44,7 +44,7 @@ from ..autograd.accumulate import dense_strides
 from ..autograd.walk import MUST_BE_NONE, Phase
 from ..counters import counters
 from . import leaf_hook_groups, runtime_ops
-from .compiler import OPAQUE_TARGETS, PLACEHOLDERS
+from .traced import OPAQUE_TARGETS, PLACEHOLDERS
 
 log = logging.getLogger("cagrad")
 
@@ -532,7 +532,7 @@ def _conform(value: Any, spec: Any, free: bool, learn: bool) -> Any:
         return value  # the same places; as it is, so .grad keeps eager's strides
     if learn and dense_strides(shape, actual):
         return _OTHER_LAYOUT
-    # the assumed strides are dense (cagrad.capture.compiler._spec_of)
+    # the assumed strides are dense (cagrad.capture.layouts.spec_of)
     return _restrided(value, stride)
 
 

@@ -143,7 +143,7 @@ def unsafe_reason(traced: Any, create_graph: bool) -> str | None:
     """Why a captured backward must not be wrapped at all, or None.
 
     Args:
-        traced: the capture (:class:`cagrad.capture.compiler.Traced`).
+        traced: the capture (:class:`cagrad.capture.traced.Traced`).
         create_graph: the backward builds a graph of its own (its outputs
             require grad; a replay records no autograd history).
     """

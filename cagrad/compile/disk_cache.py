@@ -11,7 +11,7 @@ What is stored
 --------------
 
 One file per key sequence, ``DIR/<sha256 of the disk key>.cagrad-graph``,
-holding what rebuilds the capture's :class:`~cagrad.capture.compiler.Traced` without
+holding what rebuilds the capture's :class:`~cagrad.capture.traced.Traced` without
 tracing: the graph's nodes (:mod:`cagrad.compile.graph_serde`), the fake value of
 every ``inputs[i]`` and ``sizes[j]`` read (dtype, device, sizes, strides and
 offset as expressions over the trace's symbols), the symbols in the order

@@ -1,4 +1,4 @@
-"""A capture (:class:`~cagrad.capture.compiler.Traced`) as plain data, and back.
+"""A capture (:class:`~cagrad.capture.traced.Traced`) as plain data, and back.
 
 :func:`traced_to_data` writes what rebuilds a capture without tracing (the
 graph's nodes through :mod:`cagrad.compile.graph_serde`, the fake values it
@@ -150,7 +150,7 @@ class _Replace:
 def traced_from_data(
     data: dict[str, Any], plans: list[Any], values: Sequence[int], hints: bool = True
 ) -> Any:
-    """Rebuilds the :class:`~cagrad.capture.compiler.Traced` a record holds, or None
+    """Rebuilds the :class:`~cagrad.capture.traced.Traced` a record holds, or None
     when its size check rejects ``values``.
 
     Args:
@@ -167,7 +167,7 @@ def traced_from_data(
     from torch.fx.experimental.proxy_tensor import PythonKeyTracer, set_meta
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    from ..capture.compiler import Traced
+    from ..capture.traced import Traced
 
     cd = data["check"]
     expected = _int_list(cd["expected"], "check.expected")

@@ -26,7 +26,8 @@ import torch
 from .. import events, internal_errors, logs
 from ..autograd import run_context
 from ..capture import segments
-from ..capture.compiler import AutogradCompilerInstance, Traced
+from ..capture.compiler import AutogradCompilerInstance
+from ..capture.traced import Traced
 from ..counters import counters
 from ..errors import HookTraceFailed, NodeTraceFailed, Unsupported
 from ..keys.cache import MAX_VARIANTS, CacheNode, CompiledEntry, FallbackVerdict

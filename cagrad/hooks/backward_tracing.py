@@ -224,7 +224,7 @@ def ctx_sizes(node: Any, create_graph: bool) -> list[tuple[str, torch.Size]]:
     """The ``torch.Size`` values among the ctx attributes that the backward
     of ``node`` reads, as ``(name, size)`` in the fingerprint's order: the
     key writes their values as size slots, and the trace reads them from
-    those slots (:meth:`cagrad.capture.compiler.AutogradCompilerInstance.apply_custom`).
+    those slots (:meth:`cagrad.capture.node_apply.NodeApplication.apply_custom`).
     Empty for a node :func:`fingerprint` does not accept, or one of
     :data:`TORCH_FUNCTIONS` (keyed whole)."""
     fn = user_backward(node, create_graph)

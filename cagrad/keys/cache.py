@@ -17,7 +17,7 @@ from ..autograd import run_context
 from .cache_key import CacheKey
 
 if TYPE_CHECKING:  # the trace (cagrad.capture) builds on the keys, not back
-    from ..capture.compiler import Traced
+    from ..capture.traced import Traced
 
 
 @dataclasses.dataclass

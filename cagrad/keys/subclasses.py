@@ -366,7 +366,7 @@ def rebuild(
     specs: Sequence[SubclassSpec | None], flat: Sequence[torch.Tensor], stealable: Sequence[bool]
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """The graph's outputs, a subclass rebuilt where ``specs`` has one (see
-    :attr:`cagrad.capture.compiler.Traced.output_specs`), and per output
+    :attr:`cagrad.capture.traced.Traced.output_specs`), and per output
     whether it may become a ``.grad`` uncopied: a rebuilt subclass where
     each of its inner tensors may (``stealable``, per flat output)."""
     out = []

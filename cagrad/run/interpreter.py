@@ -19,7 +19,7 @@ from ..autograd.graph_task import GraphTask, NodeCall
 from ..autograd.validate import real_metadata, validate_outputs
 from ..autograd.walk import BackwardWalk, NodePlan, Obj
 from ..capture import runtime_ops
-from ..capture.compiler import run_aot_backward
+from ..capture.aot_backward import run_aot_backward
 from ..hooks import added_hooks, hooks_census
 
 

@@ -26,7 +26,8 @@ from ..autograd.accumulate import accumulate_all, accumulate_grad, dense_strides
 from ..autograd.walk import Kind
 from ..capture import runtime_ops, segments
 from ..capture.shells import shells
-from ..capture.compiler import NON_STRIDED, dimension_order, runtime_objects
+from ..capture.layouts import dimension_order
+from ..capture.traced import NON_STRIDED, runtime_objects
 from ..compile.cuda_graphs import BorrowedOutputs
 from ..counters import counters
 from ..hooks import added_hooks, hooks_census

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cagrad.capture import runtime_ops
-from cagrad.capture.compiler import _AotBackward
+from cagrad.capture.aot_backward import _AotBackward
 from cagrad.capture.shells import LiftedShell, shells
 
 

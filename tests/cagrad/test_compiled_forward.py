@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cagrad
-from cagrad.capture import compiler
+from cagrad.capture import aot_backward
 from cagrad.autograd import custom_function
 from tests.models import MODELS, loss_fn
 
@@ -131,7 +131,7 @@ def test_trace_failure_forces_the_node_opaque(monkeypatch, captured: list) -> No
     def broken(self, target, args, kwargs):
         raise RuntimeError("cannot trace this op")
 
-    monkeypatch.setattr(compiler._AotBackward, "call_function", broken)
+    monkeypatch.setattr(aot_backward._AotBackward, "call_function", broken)
     _train_steps("mlp", "aot_eager", "eager")
     assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
     assert cagrad.counters["nodes_forced_opaque"] == 1

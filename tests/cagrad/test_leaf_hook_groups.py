@@ -13,7 +13,7 @@ import torch.fx
 
 import cagrad
 from cagrad.capture import leaf_hook_groups, runtime_ops
-from cagrad.capture.compiler import OPAQUE_TARGETS
+from cagrad.capture.traced import OPAQUE_TARGETS
 
 from .conftest import run_both, same
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cagrad
-from cagrad.capture.compiler import OPAQUE_TARGETS
+from cagrad.capture.traced import OPAQUE_TARGETS
 
 from .conftest import same, same_with_side_effects
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import cagrad
 from cagrad.compile import variants
-from cagrad.capture.compiler import dimension_order, strides_in_order
+from cagrad.capture.layouts import dimension_order, strides_in_order
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
