@@ -40,6 +40,7 @@ only the stages before it (and the leaf modules ``errors``, ``counters``,
 ``capture.compiler``            AutogradCompilerInstance: the trace
 ``capture.traced``              Traced: what a capture produces; the graph's placeholders and opaque targets
 ``capture.node_apply``          a node's backward applied under the trace (formula, AOT, custom Function)
+``capture.opaque_calls``        opaque calls in the trace (runtime ops) and traced hook dicts
 ``capture.aot_backward``        an AOTAutograd backward graph run op by op under the trace
 ``capture.layouts``             dense strides in a dimension order; an opaque call's assumed layout
 ``capture.graph_checks``        checks and passes on a captured graph (subclasses, pruning, aliasing)

@@ -54,28 +54,21 @@ from ..autograd import run_context, saved_variables
 from ..autograd.graph_task import GraphTask
 from ..autograd.saved_variables import SwapSavedVariables
 from ..autograd.validate import validate_outputs
-from ..autograd.walk import MUST_BE_NONE, PASS, THIS_CALL, BackwardWalk, Kind, NodePlan, Obj, ResumePoint
-from ..counters import counters
-from ..errors import HookTraceFailed, Unsupported
+from ..autograd.walk import BackwardWalk, Kind, NodePlan
+from ..errors import Unsupported
 from ..keys import subclasses
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
-from . import runtime_ops, shape_env
+from . import shape_env
 from .graph_checks import aliases_input, check_no_opaque_calls, check_subclass_capture, holds_nested_int, prune
-from .layouts import Spec, spec_of
+from .layouts import Spec
 from .node_apply import NodeApplication
+from .opaque_calls import OpaqueCalls
 from .shells import LiftedShell
-from .traced import NON_STRIDED, OPAQUE_TARGETS, PLACEHOLDERS, Traced
+from .traced import OPAQUE_TARGETS, PLACEHOLDERS, Traced
 
 log = logging.getLogger("cagrad")
 
-# hook calls whose dict may be traced (Collector.traced_hooks): op -> what
-# its hooks are called in logs and node tags
-_TRACEABLE_HOOKS = {
-    "tensor_pre_hooks": "tensor hook",
-    "node_pre_hooks": "node pre-hook",
-    "node_post_hooks": "node post-hook",
-}
 
 def _forced_plans(
     collector: Collector, task: GraphTask, force_opaque: frozenset[int]
@@ -92,17 +85,7 @@ def _forced_plans(
     return plans
 
 
-class _Passed:
-    """An item of an opaque call's result that the trace does not look at
-    (:data:`~cagrad.autograd.walk.PASS`): later opaque calls get it as it is."""
-
-    __slots__ = ("proxy",)
-
-    def __init__(self, proxy: torch.fx.Proxy) -> None:
-        self.proxy = proxy
-
-
-class AutogradCompilerInstance(NodeApplication):
+class AutogradCompilerInstance(NodeApplication, OpaqueCalls):
     """Builds the graph for one backward (a new instance per capture).
 
     Args:
@@ -306,109 +289,6 @@ class AutogradCompilerInstance(NodeApplication):
         out = a + b
         self._tag_since(marker, origin)
         return out
-
-    def _arg(self, a: Any) -> Any:
-        if isinstance(a, Obj):
-            return self.hooks_proxy[a.index]
-        if isinstance(a, _Passed):
-            return a.proxy
-        if isinstance(a, torch.Tensor):
-            return self._proxy(a)
-        if isinstance(a, (list, tuple)):
-            return [self._arg(x) for x in a]
-        return a
-
-    def opaque(self, op: str, args: tuple, result: Any, origin: str, resume: Any, pos: int) -> Any:
-        if op in _TRACEABLE_HOOKS and args[0].index in self.collector.traced_hooks:
-            traced = self._trace_hooks(op, args[0].index, args[1:], origin)
-            if traced is not None:
-                return traced[0]
-        target = getattr(runtime_ops, op)
-        proxy = self.tracer.create_proxy("call_function", target, tuple(self._arg(a) for a in args), {})
-        node = proxy.node
-        node.meta["autograd_node"] = origin
-        # whose call or hook it is (a segmented run releases the saved
-        # tensors of every earlier node before it: cagrad.run.runtime)
-        node.meta["cagrad_pos"] = pos
-        if op == "accumulate" and args[2] is not None and args[2].index in self.collector.ddp_python_hooks:
-            node.meta["cagrad_ddp_python_hooks"] = True
-        if result is None:
-            return None
-        if isinstance(result, list):
-            specs = [
-                r if r is MUST_BE_NONE else None if r is PASS else spec_of(r) for r in result
-            ]
-            outs: list = []
-            for i, spec in enumerate(specs):
-                if result[i] is PASS:
-                    # not checked (spec None): the value goes on as it is
-                    item = proxy[i]
-                    item.node.meta["autograd_node"] = origin
-                    outs.append(_Passed(item))
-                    continue
-                if spec is None or spec is MUST_BE_NONE:
-                    outs.append(None)
-                    continue
-                item = proxy[i]
-                item.node.meta["autograd_node"] = origin
-                fake = self._fake(spec)
-                track_tensor_tree(fake, item, constant=None, tracer=self.tracer)
-                outs.append(fake)
-        else:
-            specs = spec_of(result)
-            outs = self._fake(specs)
-            track_tensor_tree(outs, proxy, constant=None, tracer=self.tracer)
-        node.meta["cagrad_spec"] = specs
-        if resume is not None:
-            pos, phase, buffers, captured, inputs = resume()
-            if NON_STRIDED in (self.profile or {}).get((pos, phase), ()):
-                raise Unsupported(
-                    "non_strided_tensor",
-                    f"{origin} returned a non-strided (sparse) gradient that the graph "
-                    "would use as a strided one",
-                )
-            node.meta["cagrad_resume"] = ResumePoint(
-                pos,
-                phase,
-                {k: [self._name(v) for v in vs] for k, vs in buffers.items()},
-                [self._name(v) for v in captured],
-                [] if inputs is None else [node.name if v is THIS_CALL else self._name(v) for v in inputs],
-            )
-        return outs
-
-    def _trace_hooks(self, op: str, index: int, args: tuple, origin: str) -> tuple[Any] | None:
-        """Records one hook dict (``hooks[index]``, each hook accepted by
-        :mod:`cagrad.hooks.hook_tracing`) as traced ops on its gradients
-        (``args``: ``op``'s arguments after the dict); returns ``(result,)``
-        (the new gradient, or list of them for node hooks), or None (nothing
-        recorded) where a hook does not trace (it reads a value, or returns
-        what eager would reject): the caller then records the opaque call,
-        which runs the hooks, and raises eager's error, at run time. A None
-        gradient is handed to the hooks as eager does; one that returns a
-        tensor for it fails here.
-        """
-        hooks = self.collector.objects[index]
-        kind = _TRACEABLE_HOOKS[op]
-        graph = self.tracer.graph
-        marker = self._last_node()
-        try:
-            result = getattr(runtime_ops, "traced_" + op)(hooks, *args)
-        except Exception as e:  # noqa: BLE001 - any failure: the hooks run opaque
-            node = self._last_node()
-            while node is not marker:
-                prev = node.prev
-                graph.erase_node(node)
-                node = prev
-            counters.bump("hooks_opaque")
-            log.info("%s: %s run opaque (%s: %s)", origin, kind, type(e).__name__, e)
-            if self.accumulate_at_end:
-                # the leaves would be accumulated after an opaque hook that
-                # might read them: trace again with every hook opaque
-                raise HookTraceFailed("hook_trace_failed", f"{origin}: {type(e).__name__}") from e
-            return None
-        self._tag_since(marker, f"{origin} {kind}")
-        counters.bump("hooks_traced")
-        return (result,)
 
     # -- capture --------------------------------------------------------------
     def capture(self) -> Traced:

@@ -35,7 +35,7 @@ else stays opaque, which is always correct:
 
 Tensor values never steer a trace: under fake tensors a hook that branches
 on a value (``if g.norm() > 1``) fails to trace, and the hook then runs
-opaque (:meth:`cagrad.capture.compiler.AutogradCompilerInstance.opaque`).
+opaque (:meth:`cagrad.capture.opaque_calls.OpaqueCalls.opaque`).
 
 The **fingerprint** of such a hook goes into the node's CacheKey: a
 sha256 over its code (bytecode, constants, names, argument counts and
