@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ from typing import Any
 import torch
 
 __all__ = ["cuda_left_uninitialized"]
+
+log = logging.getLogger("cagrad")
 
 #: the module defining Dynamo's ``preserve_rng_state``, then those that bind
 #: it by name (``from torch._dynamo.utils import preserve_rng_state``)
@@ -183,7 +186,11 @@ def _triton_left_unprobed() -> Iterator[None]:
     user chose ``cpu_backend = "triton"``; then nothing is changed. Where
     the body populated ``has_triton``'s cache, that cache is cleared
     afterwards, so a later CUDA compile asks the GPU as without cagrad."""
-    config = sys.modules.get("torch._inductor.config") or importlib.import_module("torch._inductor.config")
+    try:
+        config = importlib.import_module("torch._inductor.config")
+    except ImportError:  # a torch without inductor: nothing to answer
+        yield
+        return
     triton_utils = sys.modules.get("torch.utils._triton")
     has_triton = getattr(triton_utils, "has_triton", None)
     if (
@@ -215,9 +222,12 @@ def _flush_runtime_metrics() -> None:
     A no-op where torch has no such context."""
     utils = sys.modules.get("torch._dynamo.utils")
     context = getattr(utils, "get_runtime_metrics_context", None)
-    finish = getattr(context() if callable(context) else None, "finish", None)
-    if callable(finish):
-        finish()
+    try:
+        finish = getattr(context() if callable(context) else None, "finish", None)
+        if callable(finish):
+            finish()
+    except Exception as e:  # noqa: BLE001 - torch's metrics logging, never the user's program
+        log.debug("cagrad: Dynamo's runtime metrics were not logged (%s: %s)", type(e).__name__, e)
 
 
 @contextlib.contextmanager
