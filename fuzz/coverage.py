@@ -55,11 +55,12 @@ def _checkpoint_domain() -> tuple[str, ...]:
 
 def _graph_domain() -> tuple[str, ...]:
     """Every ``graph:*`` name of :func:`fuzz.ir_graph.program_features`,
-    prefix dropped (the subclass leaf only where torch ships ``TwoTensor``,
-    as the strategy draws it)."""
-    from fuzz.features_graph import two_tensor_class  # torch-side module, imported on use
+    prefix dropped (each subclass kind only where torch has it, as the
+    strategy draws them: :func:`fuzz.subclass_leaves.available_kinds`)."""
+    # torch-side module, imported on use
+    from fuzz.subclass_leaves import available_kinds
 
-    subclass = tuple(f"subclass.{s}" for s in ir_graph.SUBCLASSES) if two_tensor_class()[0] is not None else ()
+    subclass = tuple(f"subclass.{s}" for s in available_kinds())
     return (
         *(f"func.{t}" for t in ir_graph.TRANSFORMS),
         *subclass,

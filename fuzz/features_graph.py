@@ -2,12 +2,13 @@
 
 The fields are described in :mod:`fuzz.ir_graph`. Here:
 
-* the runtime: :func:`wrap_subclass_leaves` (``TwoTensor`` leaves),
+* the runtime: :func:`wrap_subclass_leaves` (subclass leaves, from
+  :mod:`fuzz.subclass_leaves`, which also prints their code),
   :func:`stage` (the ``torch.func`` terms and the double backward, run by
   :func:`harness.program.run_backward` inside the subject's context), and
   :func:`inner_grad_hook` (the tensor-hook action ``inner_grad``);
 * the reproducer's code for each (:func:`stage_source`,
-  :func:`inner_grad_hook_source`, :func:`subclass_leaf_line`): the runtime
+  :func:`inner_grad_hook_source`): the runtime
   executes the very code the reproducer prints, so the two cannot drift;
 * :func:`draw_graph_features` for :mod:`fuzz.strategies` (each feature rare,
   each drawn by an integer that shrinks to "off");
@@ -29,50 +30,18 @@ from hypothesis import strategies as st
 from fuzz.draws import rare
 from fuzz.ir import Hook, IRError, Program, ValueInfo, base_name, validate
 from fuzz.ir_graph import (
+    DEFAULT_SUBCLASS_KIND,
     FUNC_FNS,
     PENALTIES,
-    SUBCLASS_OPS,
+    SUBCLASS_KIND_OPS,
+    SUBCLASSES,
     TRANSFORMS,
     DoubleBackward,
     FuncTerm,
     program_features,
     subclass_values,
 )
-
-
-# --------------------------------------------------------------- subclass
-def two_tensor_class() -> tuple[type | None, str]:
-    """``(TwoTensor, "")``, or ``(None, why)`` where torch does not ship it."""
-    try:
-        from torch.testing._internal.two_tensor import TwoTensor
-    except Exception as exc:  # noqa: BLE001 - any import failure means: no subclass leaves
-        return None, f"torch.testing._internal.two_tensor is not importable ({type(exc).__name__}: {exc})"
-    return TwoTensor, ""
-
-
-def wrap_subclass_leaves(
-    program: Program, values: dict[str, torch.Tensor], second: Callable[[str], torch.Tensor]
-) -> None:
-    """Replaces each subclass leaf in ``values`` by ``TwoTensor(leaf,
-    second(name))`` with the leaf's ``requires_grad``.
-
-    Raises:
-        RuntimeError: the program has subclass leaves and TwoTensor is not
-            importable (the strategy draws none then).
-    """
-    if not program.subclass_leaves:
-        return
-    cls, why = two_tensor_class()
-    if cls is None:
-        raise RuntimeError(f"subclass leaves {list(program.subclass_leaves)}: {why}")
-    for name in program.subclass_leaves:
-        t = values[name]
-        values[name] = cls(t.detach(), second(name)).requires_grad_(t.requires_grad)
-
-
-def subclass_leaf_line(name: str, second_expr: str, requires_grad: bool) -> str:
-    return f"{name} = TwoTensor({name}.detach(), {second_expr}).requires_grad_({requires_grad})"
-
+from fuzz.subclass_leaves import kind_available, two_tensor_class, wrap_subclass_leaves
 
 # ---------------------------------------------------------- torch.func terms
 _FN_CODE = {"sin_mul": "a.sin() * a", "tanh_sq": "a.tanh() * a.tanh()"}
@@ -199,10 +168,14 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
     """``program`` (unpruned, valid) with graph features drawn in: roots at
     outputs >= 1 of multi-output ops (about 1 in 6 programs that have one),
     a ``torch.func`` term (1 in 12), a double backward (1 in 12) and a
-    ``TwoTensor`` leaf (1 in 20 of the programs whose ops all take one:
-    cagrad runs those in eager, so they exercise little of it).
-    Each shrinks to off; a drawn feature that does not validate is left
-    out."""
+    subclass leaf (1 in 20 of the programs whose ops all take a
+    ``TwoTensor``), of a kind drawn after the leaf (so programs without one
+    draw as before): ``two_tensor`` or ``dtensor``, each as likely, among
+    the kinds torch has and with which the program validates (for
+    ``dtensor``: loss ``"sum"``, no plain tensor meeting a DTensor), else
+    ``two_tensor``, else the one left; no kind is drawn where none is.
+    Each shrinks to off (a kind to ``two_tensor``); a drawn feature that
+    does not validate is left out."""
     values = [v for v in pool if v.requires_grad]
     nonzero = [v.ref for v in values if _multi_index(v.ref) >= 1]
     if nonzero and rare(draw, 6):
@@ -229,12 +202,82 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
     if program.double_backward is None:
         eligible = [leaf.name for leaf in program.leaves if _subclass_ok(program, leaf.name)]
         if eligible and rare(draw, 20):
-            # drawn on every torch, kept only where torch ships TwoTensor:
-            # the draws after it are the same either way
+            # drawn on every torch, kept only where torch ships the kind:
+            # the draws after them are the same either way
             leaf = draw(st.sampled_from(eligible))
-            if two_tensor_class()[0] is not None:
-                program = _try(program, subclass_leaves=(leaf,))
+            options = _subclass_options(program, leaf)
+            if options:  # the kind is drawn only where a leaf is set: shrinks to two_tensor
+                kind = SUBCLASSES[draw(st.integers(0, len(SUBCLASSES) - 1))]
+                program = options.get(kind) or options.get(DEFAULT_SUBCLASS_KIND) or next(iter(options.values()))
     return program
+
+
+def _subclass_options(program: Program, leaf: str) -> dict[str, Program]:
+    """``program`` with subclass leaf ``leaf``, by kind: each kind torch
+    has and with which the program validates (a DTensor leaf brings the
+    leaves it meets: :func:`dtensor_leaves`)."""
+    out: dict[str, Program] = {}
+    for kind in SUBCLASSES:
+        if kind == DEFAULT_SUBCLASS_KIND:
+            available = two_tensor_class()[0] is not None
+        else:
+            available = kind_available(kind)[0]
+        leaves = dtensor_leaves(program, leaf) if kind == "dtensor" else (leaf,)
+        if available and leaves is not None:
+            candidate = _try(program, subclass_leaves=leaves, subclass_kind=kind)
+            if candidate.subclass_leaves:
+                out[kind] = candidate
+    return out
+
+
+def dtensor_leaves(program: Program, leaf: str) -> tuple[str, ...] | None:
+    """The leaves that must be DTensors with ``leaf`` (in program order):
+    ``leaf``, then every leaf of a plain value that meets a DTensor value
+    in an op or among the roots (the loss sums them), until none does;
+    None where such a value comes from no leaf, a ``torch.func`` term reads
+    a DTensor value, or an op on the way does not take a DTensor
+    (:data:`fuzz.ir_graph.SUBCLASS_KIND_OPS`)."""
+    chosen = {leaf}
+    leaf_names = [x.name for x in program.leaves]
+    while True:
+        tainted = subclass_values(dataclasses.replace(program, subclass_leaves=tuple(chosen)))
+        if any(base_name(t.input) in tainted for t in program.func_terms):
+            return None
+        added = set()
+        for op in program.ops:
+            if op.name not in tainted:
+                continue
+            if op.op not in SUBCLASS_KIND_OPS["dtensor"]:
+                return None
+            for ref in op.inputs:
+                if base_name(ref) not in tainted:
+                    added |= _leaf_ancestors(program, base_name(ref))
+        roots = [base_name(r) for r in program.roots]
+        if any(r in tainted for r in roots):  # the loss sums the roots: they meet there
+            for r in roots:
+                if r not in tainted:
+                    added |= _leaf_ancestors(program, r)
+        if not added:
+            return tuple(n for n in leaf_names if n in chosen)
+        if not added <= set(leaf_names):
+            return None
+        chosen |= added
+
+
+def _leaf_ancestors(program: Program, name: str) -> set[str]:
+    """The leaves ``name`` is computed from (``name`` itself for a leaf;
+    an op of no input yields the op's name, which is no leaf)."""
+    ops = {op.name: op for op in program.ops}
+    out: set[str] = set()
+    stack = [name]
+    while stack:
+        n = stack.pop()
+        op = ops.get(n)
+        if op is None or not op.inputs:
+            out.add(n)
+        else:
+            stack.extend(base_name(r) for r in op.inputs)
+    return out
 
 
 def draw_hook_action(draw: Any, actions: Sequence[str]) -> str:
@@ -253,7 +296,7 @@ def _subclass_ok(program: Program, leaf: str) -> bool:
     tainted = subclass_values(dataclasses.replace(program, subclass_leaves=(leaf,)))
     if any(base_name(t.input) in tainted for t in program.func_terms):
         return False
-    return all(op.op in SUBCLASS_OPS for op in program.ops if op.name in tainted)
+    return all(op.op in SUBCLASS_KIND_OPS[DEFAULT_SUBCLASS_KIND] for op in program.ops if op.name in tainted)
 
 
 def _try(program: Program, **changes: Any) -> Program:
@@ -274,10 +317,14 @@ def stage_features(program: Program) -> bool:
 
 # ------------------------------------------------------------ reduction
 def weight(program: Program) -> int:
-    """How many graph features ``program`` has (fewer is simpler)."""
+    """How many graph features ``program`` has (fewer is simpler; a kind
+    of subclass leaves other than ``two_tensor`` counts one more)."""
     nonzero = sum(_multi_index(r) >= 1 for r in program.roots)
     db = program.double_backward
-    return len(program.func_terms) + len(program.subclass_leaves) + nonzero + (0 if db is None else len(db.inputs))
+    kind = int(bool(program.subclass_leaves) and program.subclass_kind != DEFAULT_SUBCLASS_KIND)
+    return (
+        len(program.func_terms) + len(program.subclass_leaves) + kind + nonzero + (0 if db is None else len(db.inputs))
+    )
 
 
 def reduce_candidates(program: Program) -> Iterator[Program]:
@@ -291,13 +338,20 @@ def reduce_candidates(program: Program) -> Iterator[Program]:
             if len(db.inputs) > 1:
                 yield dataclasses.replace(program, double_backward=dataclasses.replace(db, inputs=db.inputs[:i] + db.inputs[i + 1 :]))
     for i in range(len(program.subclass_leaves)):
-        yield dataclasses.replace(
-            program, subclass_leaves=program.subclass_leaves[:i] + program.subclass_leaves[i + 1 :]
-        )
+        yield _without_subclass_leaf(program, i)
+    if program.subclass_leaves and program.subclass_kind != DEFAULT_SUBCLASS_KIND:
+        yield dataclasses.replace(program, subclass_kind=DEFAULT_SUBCLASS_KIND)
     for i, ref in enumerate(program.roots):
         if _multi_index(ref) >= 1:
             roots = program.roots[:i] + (f"{base_name(ref)}:0",) + program.roots[i + 1 :]
             yield dataclasses.replace(program, roots=tuple(dict.fromkeys(roots)))
+
+
+def _without_subclass_leaf(program: Program, i: int) -> Program:
+    """``program`` without subclass leaf ``i`` (the default kind once none is left)."""
+    rest = program.subclass_leaves[:i] + program.subclass_leaves[i + 1 :]
+    kind = program.subclass_kind if rest else DEFAULT_SUBCLASS_KIND
+    return dataclasses.replace(program, subclass_leaves=rest, subclass_kind=kind)
 
 
 # ------------------------------------------------------------ neighbours
@@ -327,8 +381,14 @@ def neighbour_candidates(
                     lambda changed_db=changed_db: dataclasses.replace(program, double_backward=changed_db),
                 )
     for i, name in enumerate(program.subclass_leaves):
-        rest = program.subclass_leaves[:i] + program.subclass_leaves[i + 1 :]
-        yield f"subclass_leaves: - {name}", (lambda rest=rest: dataclasses.replace(program, subclass_leaves=rest))
+        yield f"subclass_leaves: - {name}", (lambda i=i: _without_subclass_leaf(program, i))
+    if program.subclass_leaves:
+        for kind in SUBCLASSES:
+            if kind != program.subclass_kind and kind_available(kind)[0]:
+                yield (
+                    f"subclass_kind: {program.subclass_kind} -> {kind}",
+                    lambda kind=kind: dataclasses.replace(program, subclass_kind=kind),
+                )
     for i, ref in enumerate(program.roots):
         if _multi_index(ref) < 0:
             continue
@@ -341,6 +401,7 @@ def neighbour_candidates(
 
 __all__ = [
     "draw_graph_features",
+    "dtensor_leaves",
     "inner_grad_hook",
     "inner_grad_hook_source",
     "neighbour_candidates",
@@ -349,7 +410,6 @@ __all__ = [
     "stage",
     "stage_features",
     "stage_source",
-    "subclass_leaf_line",
     "term_expr",
     "two_tensor_class",
     "weight",

@@ -96,6 +96,7 @@ class Program:
     # graph features (fuzz.ir_graph): torch.func terms, subclass leaves, double backward
     func_terms: tuple[FuncTerm, ...] = ()
     subclass_leaves: tuple[str, ...] = ()
+    subclass_kind: str = ir_graph.DEFAULT_SUBCLASS_KIND  # of every subclass leaf (ir_graph.SUBCLASSES)
     double_backward: DoubleBackward | None = None
     # optimizer steps and a checkpointed region (fuzz.features_training)
     train: Any = None

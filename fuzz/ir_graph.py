@@ -10,10 +10,12 @@ its shared checks, :mod:`fuzz.ir_check`, so that the IR can call it):
   ``transform(fn)(value)`` computed with ``torch.func`` after the forward,
   inside the subject's context (``cagrad.enable``), added to the backward's
   roots;
-* ``subclass_leaves``: names of leaves built as a tensor subclass
-  (``"two_tensor"``: ``torch.testing._internal.two_tensor.TwoTensor`` of the
-  leaf's values and a second seeded tensor), read only by the ops of
-  :data:`SUBCLASS_OPS`;
+* ``subclass_leaves``: names of leaves built as a tensor subclass of
+  ``subclass_kind`` (one of :data:`SUBCLASSES`; :mod:`fuzz.subclass_leaves`):
+  ``"two_tensor"`` (the default: ``torch.testing._internal.two_tensor.TwoTensor``
+  of the leaf's values and a second seeded tensor) or ``"dtensor"`` (a
+  ``DTensor`` on a one-rank device mesh, replicated or sharded), read only
+  by the ops of :data:`SUBCLASS_KIND_OPS` of the kind;
 * ``double_backward``: a :class:`DoubleBackward`: the first-order grads of
   the roots w.r.t. ``inputs`` with ``create_graph=True``, inside the
   subject's context, then a penalty of those grads added to the roots, so
@@ -30,6 +32,8 @@ program uses, under the names ``graph:...``.
 
 JSON: each field is written only when set (``"func_terms": [{"name",
 "transform", "fn", "input"}]``, ``"subclass_leaves": ["x0"]``,
+``"subclass_kind": "dtensor"`` (left out for ``"two_tensor"``, so older
+programs read as they meant),
 ``"double_backward": {"inputs": [...], "penalty": "square"}``), so programs
 without them read and write as before.
 """
@@ -50,7 +54,13 @@ FUNC_FNS = ("sin_mul", "tanh_sq")
 PENALTIES = ("square", "sum")
 """How a double backward reduces each first-order grad ``g``: ``(g * g).sum()``
 or ``g.sum()``."""
-SUBCLASSES = ("two_tensor",)
+SUBCLASSES = ("two_tensor", "dtensor")
+"""Kinds of subclass leaves (``Program.subclass_kind``; built by
+:mod:`fuzz.subclass_leaves`): ``TwoTensor``, or ``DTensor`` on a one-rank
+device mesh."""
+DEFAULT_SUBCLASS_KIND = "two_tensor"
+"""The kind of a program whose JSON has no ``subclass_kind`` (all programs
+written before DTensor leaves)."""
 JACREV_MAX_NUMEL = 16
 """``jacrev`` makes a ``numel x numel`` Jacobian: its input is kept small."""
 SUBCLASS_OPS = frozenset(
@@ -64,8 +74,16 @@ SUBCLASS_OPS = frozenset(
 )
 """Ops that take a ``TwoTensor`` (or a value computed from one) under eager
 (``tests/fuzz/test_fuzz_graph_features.py`` runs each)."""
+DTENSOR_OPS = SUBCLASS_OPS - {"unbind"}
+"""Ops that take a one-rank ``DTensor`` (or values computed from them only),
+replicated or sharded on any dim, forward and backward under eager on torch
+2.13 and 2.14 (``tests/fuzz/test_fuzz_subclass_leaves.py`` runs each): those
+of :data:`SUBCLASS_OPS` but ``unbind``, which DTensor refuses along a
+sharded dim (``Attempted to unbind along the sharded dimension``)."""
+SUBCLASS_KIND_OPS = {"two_tensor": SUBCLASS_OPS, "dtensor": DTENSOR_OPS}
+"""The ops that may read a value computed from a subclass leaf, by kind."""
 
-FIELDS = ("func_terms", "subclass_leaves", "double_backward")
+FIELDS = ("func_terms", "subclass_leaves", "subclass_kind", "double_backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +125,8 @@ def fields_to_dict(program: Any) -> dict[str, Any]:
         out["func_terms"] = [t.to_dict() for t in program.func_terms]
     if program.subclass_leaves:
         out["subclass_leaves"] = list(program.subclass_leaves)
+    if program.subclass_kind != DEFAULT_SUBCLASS_KIND:
+        out["subclass_kind"] = program.subclass_kind
     if program.double_backward is not None:
         out["double_backward"] = program.double_backward.to_dict()
     return out
@@ -127,6 +147,9 @@ def parse_fields(data: Mapping[str, Any], expect: Expect) -> dict[str, Any]:
     raw = data.get("subclass_leaves", [])
     expect(isinstance(raw, list), "subclass_leaves", f"expected a list of leaf names, got {raw!r}")
     out["subclass_leaves"] = tuple(raw)
+    kind = data.get("subclass_kind", DEFAULT_SUBCLASS_KIND)
+    expect(isinstance(kind, str), "subclass_kind", f"expected a string (one of {list(SUBCLASSES)}), got {kind!r}")
+    out["subclass_kind"] = kind
     raw = data.get("double_backward")
     if raw is not None:
         _check_object(raw, "double_backward", {"inputs", "penalty"}, expect, required={"inputs"})
@@ -198,14 +221,7 @@ def check(program: Any, values: Mapping[str, Any], resolve: Callable[[Any, str],
         where = f"subclass_leaves[{i}]"
         expect(name in leaf_names, where, f"{name!r} is not a leaf of the program (leaves: {leaf_names})")
         expect(name not in program.subclass_leaves[:i], where, f"leaf {name!r} listed twice")
-    for i, op in enumerate(program.ops):
-        if op.name in tainted:
-            expect(
-                op.op in SUBCLASS_OPS,
-                f"ops[{i}]",
-                f"{op.op} reads a value computed from a subclass leaf ({sorted(set(program.subclass_leaves))}) "
-                "and is not among the ops that take one (fuzz.ir_graph.SUBCLASS_OPS)",
-            )
+    check_subclass_kind(program, tainted, expect)
     db = program.double_backward
     if db is not None:
         expect(isinstance(db, DoubleBackward), "double_backward", f"expected a DoubleBackward, got {db!r}")
@@ -229,6 +245,60 @@ def check(program: Any, values: Mapping[str, Any], resolve: Callable[[Any, str],
             "a double backward is not combined with subclass leaves (their create_graph formulas are not modelled)",
         )
     check_training(program, expect)
+
+
+def check_subclass_kind(program: Any, tainted: set[str], expect: Expect) -> None:
+    """Validates ``subclass_kind`` and what the subclass leaves' values may
+    meet: only the ops of :data:`SUBCLASS_KIND_OPS` of the kind read them;
+    a DTensor (``"dtensor"``) meets no plain tensor in an op (DTensor's
+    dispatch raises on ``got mixed torch.Tensor and DTensor``), and a root
+    computed from one is reduced by loss ``"sum"`` (with loss
+    ``"separate"`` a plain ``grad_output`` would seed a DTensor root, and
+    eager then accumulates a plain ``.grad``), with no plain root beside it
+    (the sum's backward would mix the two)."""
+    kind = program.subclass_kind
+    expect(
+        kind in SUBCLASSES,
+        "subclass_kind",
+        f"unknown subclass kind {kind!r}; expected one of {list(SUBCLASSES)}",
+    )
+    expect(
+        kind == DEFAULT_SUBCLASS_KIND or bool(program.subclass_leaves),
+        "subclass_kind",
+        f"{kind!r} is set but there are no subclass_leaves (leave it out, or name the leaves)",
+    )
+    leaves = sorted(set(program.subclass_leaves))
+    for i, op in enumerate(program.ops):
+        if op.name not in tainted:
+            continue
+        expect(
+            op.op in SUBCLASS_KIND_OPS[kind],
+            f"ops[{i}]",
+            f"{op.op} reads a value computed from a subclass leaf ({leaves}) and is not among the ops "
+            f"that take a {kind} (fuzz.ir_graph.SUBCLASS_KIND_OPS[{kind!r}])",
+        )
+        if kind == "dtensor":
+            plain = [r for r in op.inputs if r.split(":", 1)[0] not in tainted]
+            expect(
+                not plain,
+                f"ops[{i}]",
+                f"{op.op} mixes DTensor values with plain tensor(s) {plain}: make their leaves DTensor leaves too",
+            )
+    if kind == "dtensor":
+        tainted_roots = [r for r in program.roots if r.split(":", 1)[0] in tainted]
+        expect(
+            program.loss == "sum" or not tainted_roots,
+            "loss",
+            f"roots {tainted_roots} are DTensors: loss {program.loss!r} would seed them with plain grad_outputs; "
+            "use loss 'sum'",
+        )
+        plain_roots = [r for r in program.roots if r not in tainted_roots]
+        expect(
+            not (tainted_roots and plain_roots),
+            "roots",
+            f"roots {tainted_roots} are DTensors and {plain_roots} plain tensors: their sum's backward would "
+            "mix them in an op",
+        )
 
 
 def check_training(program: Any, expect: Expect) -> None:
@@ -266,8 +336,10 @@ def referenced(program: Any) -> list[str]:
 
 
 def pruned_fields(program: Any, kept_leaves: set[str]) -> dict[str, Any]:
-    """The subclass leaves that survive pruning (the rest is kept whole)."""
-    return {"subclass_leaves": tuple(n for n in program.subclass_leaves if n in kept_leaves)}
+    """The subclass leaves that survive pruning, and their kind (the
+    default once none survives; the rest is kept whole)."""
+    leaves = tuple(n for n in program.subclass_leaves if n in kept_leaves)
+    return {"subclass_leaves": leaves, "subclass_kind": program.subclass_kind if leaves else DEFAULT_SUBCLASS_KIND}
 
 
 def replace_refs(program: Any, sub: Callable[[str], str]) -> dict[str, Any]:
@@ -288,7 +360,8 @@ NONDIFF_SIBLING_OPS = ("topk", "max_dim")
 
 def program_features(program: Any) -> set[str]:
     """The graph features ``program`` uses, named for coverage tables:
-    ``graph:func.<transform>``, ``graph:subclass.two_tensor``,
+    ``graph:func.<transform>``, ``graph:subclass.<kind>`` (``two_tensor``,
+    ``dtensor``),
     ``graph:double_backward.<penalty>``, ``graph:inner_grad.hook``,
     ``graph:inner_grad.function``, and with loss ``"separate"`` (the roots
     start the backward themselves) ``graph:root.output_nonzero`` (a root at
@@ -297,7 +370,7 @@ def program_features(program: Any) -> set[str]:
     node has a non-differentiable output: ``topk``, ``max_dim``)."""
     out = {f"graph:func.{t.transform}" for t in program.func_terms}
     if program.subclass_leaves:
-        out.add("graph:subclass.two_tensor")
+        out.add(f"graph:subclass.{program.subclass_kind}")
     if program.double_backward is not None:
         out.add(f"graph:double_backward.{program.double_backward.penalty}")
     if any(h.kind == "tensor" and h.action == "inner_grad" for h in program.hooks):
@@ -316,16 +389,20 @@ def program_features(program: Any) -> set[str]:
 
 
 __all__ = [
-    "DoubleBackward",
+    "DEFAULT_SUBCLASS_KIND",
+    "DTENSOR_OPS",
     "FIELDS",
     "FUNC_FNS",
-    "FuncTerm",
     "JACREV_MAX_NUMEL",
     "PENALTIES",
     "SUBCLASSES",
+    "SUBCLASS_KIND_OPS",
     "SUBCLASS_OPS",
     "TRANSFORMS",
+    "DoubleBackward",
+    "FuncTerm",
     "check",
+    "check_subclass_kind",
     "fields_to_dict",
     "parse_fields",
     "program_features",

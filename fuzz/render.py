@@ -22,7 +22,7 @@ import inspect
 
 from fuzz import features_graph, functions
 from fuzz import ops as catalog
-from fuzz import training_render
+from fuzz import subclass_leaves, training_render
 from fuzz.interpret import derived_seed
 from fuzz.ir import Hook, Program
 
@@ -123,14 +123,16 @@ def _hook_lines(hook: Hook) -> list[str]:
 
 def render_source(program: Program) -> str:
     lines = ["import torch", *training_render.imports(program)]
-    if program.subclass_leaves:
-        lines.append("from torch.testing._internal.two_tensor import TwoTensor")
+    lines.extend(subclass_leaves.imports(program.subclass_kind, bool(program.subclass_leaves)))
     sources = _function_sources(program)
     if any("once_differentiable" in src for src in sources):
         lines.append("from torch.autograd.function import once_differentiable")
     for src in sources:
         lines.extend(["", "", src.rstrip("\n")])
     lines.extend(training_render.definitions(program))
+    helpers = subclass_leaves.definitions(program.subclass_kind, bool(program.subclass_leaves))
+    if helpers:
+        lines.extend(["", "", *helpers])
     sequence = bool(program.resizes)
     lines.extend(["", "", "def run(device='cpu', trace=None, resize=None):" if sequence else "def run(device='cpu', trace=None):"])
     body: list[str] = []
@@ -148,7 +150,10 @@ def render_source(program: Program) -> str:
         body.append(f"{leaf.name} = {expr}.requires_grad_({leaf.requires_grad})")
         if leaf.name in program.subclass_leaves:
             second = _uniform(program.seed, f"{leaf.name}/b", shape, f"torch.{leaf.dtype}")
-            body.append(features_graph.subclass_leaf_line(leaf.name, second, leaf.requires_grad))
+            placement = subclass_leaves.placement_expr(program.seed, leaf.name, len(leaf.shape))
+            body.append(
+                subclass_leaves.leaf_line(program.subclass_kind, leaf.name, leaf.requires_grad, second, placement)
+            )
     outer, body = body, fresh  # training: the rest runs once per optimizer step
     body.extend(training_render.op_lines(program))
     stage = features_graph.stage_source(program)

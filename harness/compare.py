@@ -141,15 +141,26 @@ def _compare_subclass(
 ) -> Mismatch | None:
     """A tensor subclass (``TwoTensor``, any traceable wrapper subclass with
     ``__tensor_flatten__``) must have eager's class, and its inner tensors
-    must agree one by one (``where.a``, ``where.b``)."""
+    must agree one by one (``where.a``, ``where.b``; a DTensor's
+    ``_local_tensor``). An inner value that is not a tensor (a DTensor's
+    ``device_mesh`` since torch 2.13) must be equal, and so must a
+    DTensor's ``placements``."""
     if type(expected) is not type(actual):
         return Mismatch(where, f"class differs: eager {type(expected).__name__}, subject {type(actual).__name__}")
     names, _ = expected.__tensor_flatten__()
     other, _ = actual.__tensor_flatten__()
     if list(names) != list(other):
         return Mismatch(where, f"inner tensors differ: eager {list(names)}, subject {list(other)}")
+    placements = getattr(expected, "placements", None), getattr(actual, "placements", None)
+    if placements[0] != placements[1]:
+        return Mismatch(where, f"placements differ: eager {placements[0]}, subject {placements[1]}")
     for name in names:
-        m = compare_tensor(getattr(expected, name), getattr(actual, name), f"{where}.{name}", tolerance)
+        e, a = getattr(expected, name), getattr(actual, name)
+        if not (isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor)):
+            if e is not a and e != a:
+                return Mismatch(f"{where}.{name}", f"differs: eager {e!r}, subject {a!r}")
+            continue
+        m = compare_tensor(e, a, f"{where}.{name}", tolerance)
         if m is not None:
             return m
     return None

@@ -13,6 +13,12 @@ non-leaf root at output 0 of its node (``gradient_edge`` patched while the
 subject is active): a root at output 1 of ``var_mean`` or ``unbind`` gets
 its gradient in the wrong slot. Only a root at an output >= 1 sees it.
 
+``ScaledDTensorGrad``: ``cagrad[eager]`` that doubles the local values of
+every DTensor leaf's ``.grad`` after the backward; ``ReplicatedDTensorGrad``:
+``cagrad[eager]`` that redistributes every sharded DTensor leaf's ``.grad``
+to ``Replicate()`` (values unchanged, placements not eager's). Only a
+program with a DTensor leaf (``subclass_kind: "dtensor"``) sees either.
+
 Load with ``--plugin PATH/planted_graph_faults.py:NAME``; the package never
 imports this file.
 """
@@ -93,3 +99,43 @@ class RootAtOutputZero(harness.CagradSubject):
 
         with mock.patch.object(graph_task, "gradient_edge", slot_zero), super().active():
             yield
+
+
+def _dtensor_leaf_grads(run) -> Iterator[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    for leaf in run.leaves:
+        if isinstance(leaf, DTensor) and isinstance(leaf.grad, DTensor):
+            yield leaf
+
+
+class ScaledDTensorGrad(harness.CagradSubject):
+    """``cagrad[eager]`` whose DTensor leaf grads come out doubled (module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = "cagrad-scaled-dtensor-grad[eager]"
+
+    def run(self, run):
+        result = super().run(run)
+        with torch.no_grad():
+            for leaf in _dtensor_leaf_grads(run):
+                leaf.grad.to_local().mul_(2)
+        return result
+
+
+class ReplicatedDTensorGrad(harness.CagradSubject):
+    """``cagrad[eager]`` whose sharded DTensor leaf grads come out replicated (module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = "cagrad-replicated-dtensor-grad[eager]"
+
+    def run(self, run):
+        from torch.distributed.tensor import Replicate
+
+        result = super().run(run)
+        for leaf in _dtensor_leaf_grads(run):
+            if leaf.grad.placements != (Replicate(),):
+                leaf.grad = leaf.grad.redistribute(placements=[Replicate()])
+        return result

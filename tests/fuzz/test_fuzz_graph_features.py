@@ -211,14 +211,18 @@ def test_every_subclass_op_takes_a_two_tensor() -> None:
 
 
 def test_no_two_tensor_means_no_subclass_leaves(monkeypatch) -> None:
-    monkeypatch.setattr(features_graph, "two_tensor_class", lambda: (None, "not shipped"))
+    from fuzz import subclass_leaves
+
+    for module in (features_graph, subclass_leaves):
+        monkeypatch.setattr(module, "two_tensor_class", lambda: (None, "not shipped"))
     with pytest.raises(RuntimeError, match="not shipped"):
         eager_grads(FEATURES["subclass.two_tensor"])
+    assert "two_tensor" not in subclass_leaves.available_kinds()
 
     @settings(max_examples=40, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(programs(max_ops=3, hooks=False, shapes=False, ops=("mul", "sin")))
     def never_drawn(program: Program) -> None:
-        assert not program.subclass_leaves
+        assert not program.subclass_leaves or program.subclass_kind != "two_tensor"
 
     never_drawn()
 
