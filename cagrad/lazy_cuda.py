@@ -97,8 +97,8 @@ def _system_without_cuda(codecache: types.ModuleType, original: Any) -> Any:
     nothing: a later CUDA compile in the process reads the GPU's name as it
     would without cagrad. Once CUDA is initialized it is ``original``. The
     key of ``{}`` is inductor's ``SYSTEM_CACHE_KEY_STRATEGY`` where it has
-    one, else the sha256 of the JSON text (the rule of torch 2.11 and
-    earlier); it only names the on-disk cache of CPU kernels.
+    one (torch 2.13 and 2.14.1 do), else the sha256 of its JSON text; it
+    only names the on-disk cache of CPU kernels.
     """
 
     def get_system() -> Any:
