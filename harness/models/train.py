@@ -7,14 +7,14 @@ engine, and records after each step, under these names:
 * ``step<i>.loss``: the loss (0-d tensor, the model's dtype);
 * ``step<i>.grad.<parameter>``: every parameter's ``.grad`` after the
   backward (``None`` where unset);
-* ``step<i>.grad_kept.<parameter>``: whether the backward left ``.grad``
-  the same tensor object it found (``None`` where there was none): eager's
-  ``AccumulateGrad`` adds into an existing ``.grad`` in place, and code
-  that holds a reference to it (an optimizer's state, a DDP bucket view)
-  sees the sum;
 * ``step<i>.grad_strides.<parameter>``: its strides, with ``None`` for
   dimensions of one element (a ``.grad`` layout eager would not give shows
   here even where the values agree);
+* ``step<i>.grad_kept.<parameter>``: whether the backward left ``.grad``
+  the same tensor object it found (``None`` where there was none): eager's
+  ``AccumulateGrad`` adds into an existing ``.grad`` in place, and code
+  that holds a reference to it (a DDP bucket view under
+  ``gradient_as_bucket_view``) sees the sum;
 * ``step<i>.param.<parameter>``: every parameter after the optimizer step;
 
 With :attr:`ModelRow.micro_batches` above 1, each step runs that many
