@@ -59,6 +59,9 @@ def validate(program: Any) -> dict[str, ValueInfo]:
     values: dict[str, ValueInfo] = {}
     names: set[str] = set()
     multi: dict[str, int] = {}
+    # views made before an in-place write into their memory: their grad_fn
+    # is stale until read (see the tensor-hook rule below)
+    stale_views: set[str] = set()
 
     def declare(name: Any, where: str) -> None:
         check_identifier(name, where)
@@ -133,6 +136,7 @@ def validate(program: Any) -> dict[str, ValueInfo]:
                     f"{where}.inputs[{j}]",
                     f"{op.op}: {info.ref!r} may be a view overlapping the written tensor; use a fresh value or a leaf",
                 )
+            stale_views.update(r for r, v in values.items() if v.base and v.memory == infos[0].memory)
             stale = inplace_conflicts(infos[0], values)
             _expect(
                 not stale,
@@ -178,6 +182,16 @@ def validate(program: Any) -> dict[str, ValueInfo]:
         _expect(hook.name not in names, f"{where}.name", f"hook name {hook.name!r} is also a value's name")
         hook_names.add(hook.name)
         check_hook(hook, where, values, resolve)
+        # torch 2.13.0 and 2.14.1 (eager, no cagrad) crash with SIGSEGV in
+        # Tensor.register_hook on a view whose base was modified in place
+        # after the view was made, unless the view's grad_fn was read first
+        # (found by campaign seed 51; docs/fuzzing.md)
+        _expect(
+            not (hook.kind == "tensor" and hook.target in stale_views),
+            f"{where}.target",
+            f"{hook.target!r} is a view whose base an in-place op modified after the view was made: "
+            "Tensor.register_hook on it crashes eager (SIGSEGV, torch 2.13 and 2.14)",
+        )
     ir_graph.check(program, values, resolve, _expect)
     features_training.validate(program, values, _expect)
     check_resizes(program)

@@ -184,3 +184,62 @@ def test_pruned_drops_dead_ops_and_unused_leaves() -> None:
     q = p.pruned()
     assert [op.name for op in q.ops] == ["v0", "v1", "v2"]
     assert [leaf.name for leaf in q.leaves] == ["x0", "x1"]
+
+
+# ------------------------------------------- tensor hooks on stale views
+_STALE_VIEW_OPS = (
+    Op("v0", "expand", ("x0",), {"shape": (1,)}),
+    Op("v1", "cumsum", ("v0",), {"dim": 0}),
+    Op("v2", "slice", ("v1",), {"dim": 0, "start": 0, "end": 1, "step": 1}),
+    Op("v3", "mul_inplace", ("v1", "x1"), {}),
+)
+
+
+def _stale_view_program(hooks: tuple, ops: tuple = _STALE_VIEW_OPS) -> Program:
+    return Program(
+        leaves=(Leaf("x0", (), "float64", True), Leaf("x1", (), "float64", True)),
+        ops=ops,
+        roots=("v3", "v2"),
+        loss="sum",
+        hooks=hooks,
+    )
+
+
+def test_a_tensor_hook_on_a_view_made_before_an_in_place_write_is_rejected() -> None:
+    """Found by campaign seed 51 (torch 2.14.1): the neighbour that added a
+    tensor hook on ``v2`` crashed eager itself (see the canary below)."""
+    from fuzz.ir import Hook
+
+    with pytest.raises(IRError) as info:
+        validate(_stale_view_program((Hook("h0", "tensor", "v2", "observe"),)))
+    assert info.value.where == "hooks[0].target" and "SIGSEGV" in str(info.value)
+    # the same view with a retain_grad, the base with a tensor hook, and a
+    # view made after the write all stay valid (eager runs them)
+    validate(_stale_view_program((Hook("h0", "retain_grad", "v2", "observe"), Hook("h1", "tensor", "v3", "observe"))))
+    after = (*_STALE_VIEW_OPS[:2], _STALE_VIEW_OPS[3], Op("v2", "slice", ("v3",), {"dim": 0, "start": 0, "end": 1, "step": 1}))
+    validate(_stale_view_program((Hook("h0", "tensor", "v2", "observe"),), after))
+
+
+_STALE_VIEW_HOOK = """
+import torch
+x0 = torch.rand(1, dtype=torch.float64, requires_grad=True)
+v1 = x0 * 1
+v2 = v1[0:1]
+v1.mul_(2.0)
+v2.register_hook(lambda g: None)
+"""
+
+
+def test_canary_torch_crashes_on_a_tensor_hook_on_a_stale_view() -> None:
+    """The torch bug the rule above avoids, in plain torch (no cagrad): a
+    subprocess dies with SIGSEGV. When this fails, torch was fixed: limit
+    the rule to the torch versions that crash (fuzz/ir_validate.py)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _STALE_VIEW_HOOK], capture_output=True, timeout=120, check=False)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr[-2000:])
+    # reading the view's grad_fn first (which regenerates it) avoids the crash
+    fixed = _STALE_VIEW_HOOK.replace("v2.register_hook", "v2.grad_fn\nv2.register_hook")
+    assert subprocess.run([sys.executable, "-c", fixed], capture_output=True, timeout=120, check=False).returncode == 0
