@@ -133,14 +133,12 @@ def _system_info_left_unread() -> Iterator[None]:
     original = getattr(descriptor, "__func__", descriptor)
     original = getattr(original, "cagrad_original", original)
     path_cache = getattr(base.__dict__.get("get_local_cache_path"), "__func__", None)
-    cached_before = _cache_size(path_cache)
-    base.get_system = staticmethod(_system_without_cuda(codecache, original))
-    try:
-        yield
-    finally:
-        base.get_system = descriptor
-        if cached_before == 0 and _cache_size(path_cache):
-            path_cache.cache_clear()  # type: ignore[union-attr]
+    with _fills_forgotten(path_cache):
+        base.get_system = staticmethod(_system_without_cuda(codecache, original))
+        try:
+            yield
+        finally:
+            base.get_system = descriptor
 
 
 #: the module defining Dynamo's repro comment naming the GPUs, then those
@@ -200,16 +198,14 @@ def _triton_left_unprobed() -> Iterator[None]:
     ):
         yield
         return
-    cached_before = _cache_size(has_triton)
-    was = config.triton_disable_device_detection
-    config.triton_disable_device_detection = True
-    try:
-        yield
-    finally:
-        _flush_runtime_metrics()
-        config.triton_disable_device_detection = was
-        if cached_before == 0 and _cache_size(has_triton):
-            has_triton.cache_clear()
+    with _fills_forgotten(has_triton):
+        was = config.triton_disable_device_detection
+        config.triton_disable_device_detection = True
+        try:
+            yield
+        finally:
+            _flush_runtime_metrics()
+            config.triton_disable_device_detection = was
 
 
 def _flush_runtime_metrics() -> None:
@@ -248,11 +244,19 @@ def _bound_names_swapped(modules: tuple[str, ...], attr: str, original: Any, sta
             setattr(mod, attr, original)
 
 
-def _cache_size(fn: Any) -> int:
-    """Entries in a ``functools.cache``d function's cache; 0 where ``fn``
-    has none (it may be wrapped by torch's own decorators)."""
+@contextlib.contextmanager
+def _fills_forgotten(fn: Any) -> Iterator[None]:
+    """Runs the body; where ``fn`` (a ``functools.cache``d function, or
+    anything without ``cache_info``: then nothing is done) had an empty
+    cache before and the body filled it, clears that cache afterwards, so
+    no answer given inside the body outlives it."""
     info = getattr(fn, "cache_info", None)
-    return info().currsize if callable(info) else 0
+    empty = callable(info) and info().currsize == 0
+    try:
+        yield
+    finally:
+        if empty and info().currsize:
+            fn.cache_clear()
 
 
 @contextlib.contextmanager

@@ -218,12 +218,8 @@ def _subclass_options(program: Program, leaf: str) -> dict[str, Program]:
     leaves it meets: :func:`dtensor_leaves`)."""
     out: dict[str, Program] = {}
     for kind in SUBCLASSES:
-        if kind == DEFAULT_SUBCLASS_KIND:
-            available = two_tensor_class()[0] is not None
-        else:
-            available = kind_available(kind)[0]
         leaves = dtensor_leaves(program, leaf) if kind == "dtensor" else (leaf,)
-        if available and leaves is not None:
+        if kind_available(kind)[0] and leaves is not None:
             candidate = _try(program, subclass_leaves=leaves, subclass_kind=kind)
             if candidate.subclass_leaves:
                 out[kind] = candidate

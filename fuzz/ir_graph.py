@@ -44,7 +44,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fuzz.ir_check import Expect, check_identifier
+from fuzz.ir_check import Expect, base_name, check_identifier
 
 TRANSFORMS = ("grad", "vjp", "jacrev", "vmap", "vmap_grad")
 """``torch.func`` forms of a :class:`FuncTerm` (see :mod:`fuzz.features_graph`)."""
@@ -172,7 +172,7 @@ def subclass_values(program: Any) -> set[str]:
     """Refs of the values computed from a subclass leaf (the leaves too)."""
     tainted = set(program.subclass_leaves)
     for op in program.ops:
-        if any(r.split(":", 1)[0] in tainted or r in tainted for r in op.inputs):
+        if any(base_name(r) in tainted or r in tainted for r in op.inputs):
             tainted.add(op.name)
     return tainted
 
@@ -200,7 +200,7 @@ def check(program: Any, values: Mapping[str, Any], resolve: Callable[[Any, str],
         info = resolve(term.input, f"{where}.input")
         expect(info.requires_grad, f"{where}.input", f"{term.input!r} does not require grad: the term would be no root")
         expect(
-            term.input.split(":", 1)[0] not in tainted,
+            base_name(term.input) not in tainted,
             f"{where}.input",
             f"{term.input!r} is computed from a subclass leaf; torch.func terms take plain tensors",
         )
@@ -278,14 +278,14 @@ def check_subclass_kind(program: Any, tainted: set[str], expect: Expect) -> None
             f"that take a {kind} (fuzz.ir_graph.SUBCLASS_KIND_OPS[{kind!r}])",
         )
         if kind == "dtensor":
-            plain = [r for r in op.inputs if r.split(":", 1)[0] not in tainted]
+            plain = [r for r in op.inputs if base_name(r) not in tainted]
             expect(
                 not plain,
                 f"ops[{i}]",
                 f"{op.op} mixes DTensor values with plain tensor(s) {plain}: make their leaves DTensor leaves too",
             )
     if kind == "dtensor":
-        tainted_roots = [r for r in program.roots if r.split(":", 1)[0] in tainted]
+        tainted_roots = [r for r in program.roots if base_name(r) in tainted]
         expect(
             program.loss == "sum" or not tainted_roots,
             "loss",
