@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .first import FirstCell, fresh_cache_dir, growth_exponent, measure_first
-from .measure import measure
+from .measure import measure, measure_row
 from .model_workloads import KNOWN, SIZES, build, default_size, unavailable
 from .subjects import SUBJECTS
 from .workloads import FAMILIES, STEADY
@@ -50,12 +50,16 @@ FIRST_WORKLOADS = ",".join([*FAMILIES["transformer"], *FAMILIES["chain"], "mlp"]
               help="steady: measure the whole table this many times, one round after another; each ratio is "
               "the median of its rounds' ratios, each taken against eager's cell of the same round (drift of "
               "the machine between cells cancels), shown with its range")
+@click.option("--interleave/--sequential", default=True, show_default=True,
+              help="steady: time the subjects of a workload in turns, one backward each per turn, and take each "
+              "ratio as the median of the per-turn ratios to eager (the machine's drift falls on every subject "
+              "alike); --sequential: one subject's backwards after another's, each in a fresh compile state")
 @click.option("--warm/--no-warm", default=True, show_default=True,
               help="first: also run each cell again in a second process on the caches the first filled")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write the cells here")
 def main(device: str, mode: str, workloads: str | None, size: str | None, subjects: str | None, iters: int,
-         rounds: int, warm: bool, threads: int | None, json_path: str | None) -> None:
+         rounds: int, interleave: bool, warm: bool, threads: int | None, json_path: str | None) -> None:
     """Backward timings side by side, one run: steady state (median ms per
     subject and workload, ratio to eager, cagrad's own overhead per node in
     us, peak CUDA memory in MiB, the backward's GPU kernel time in ms) or
@@ -85,8 +89,8 @@ def main(device: str, mode: str, workloads: str | None, size: str | None, subjec
     if first:
         doc = _first(console, device, wl_names, sub_names, warm, threads, size)
     else:
-        meta["iters"], meta["rounds"] = iters, rounds
-        doc = {"cells": _steady(console, device, wl_names, sub_names, iters, rounds, size)}
+        meta["iters"], meta["rounds"], meta["interleave"] = iters, rounds, interleave
+        doc = {"cells": _steady(console, device, wl_names, sub_names, iters, rounds, size, interleave)}
     doc["skipped"] = skipped
     if json_path:
         with open(json_path, "w") as f:
@@ -94,15 +98,21 @@ def main(device: str, mode: str, workloads: str | None, size: str | None, subjec
 
 
 def _steady(console: Console, device: str, wl_names: list[str], sub_names: list[str], iters: int,
-            rounds: int, size: str | None) -> dict:
+            rounds: int, size: str | None, interleave: bool) -> dict:
     measured: dict[str, dict[str, list[dict]]] = {wl: {sub: [] for sub in sub_names} for wl in wl_names}
     for r in range(rounds):
+        at = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
         for wl in wl_names:
-            for sub in sub_names:
+            if interleave:
                 torch.manual_seed(0)
-                cell = measure(build(wl, device, size), SUBJECTS[sub], device, iters)
+                cells = measure_row(build(wl, device, size), {sub: SUBJECTS[sub] for sub in sub_names}, device, iters)
+            else:
+                cells = {}
+                for sub in sub_names:
+                    torch.manual_seed(0)
+                    cells[sub] = measure(build(wl, device, size), SUBJECTS[sub], device, iters)
+            for sub, cell in cells.items():
                 measured[wl][sub].append(cell.__dict__)
-                at = f" (round {r + 1}/{rounds})" if rounds > 1 else ""
                 console.log(f"{wl} / {sub}{at}: {cell.ms and round(cell.ms, 3)} ms {cell.error or ''}", markup=False)
     results = {wl: {sub: combine_rounds(row[sub], row.get("eager")) for sub in sub_names}
                for wl, row in measured.items()}
@@ -147,14 +157,17 @@ def combine_rounds(cells: list[dict], eager: list[dict] | None) -> dict:
         ``gpu_ms`` the medians of the rounds that measured them,
         ``peak_mib`` and ``peak_steady_mib`` their largest,
         ``records_timed`` their sum, ``round_ms`` each round's ms (None
-        where it failed), and where eager was measured ``ratio``: the
-        median over rounds of ms / eager's ms of that round, and
-        ``ratio_range``: [lowest, highest] of them. ``error`` stays set only
+        where it failed), ``round_turn_ms`` each round's ``turn_ms``, and where eager was measured ``ratio``: the
+        median over rounds of each round's ratio (the cell's own ``ratio``,
+        taken turn by turn beside eager, where it has one; else its ms /
+        eager's ms of that round), and ``ratio_range``: [lowest, highest]
+        of them. ``error`` stays set only
         where no round measured the cell.
     """
     out = dict(cells[-1])
     good = [c for c in cells if c["ms"] is not None]
     out["round_ms"] = [c["ms"] for c in cells]
+    out["round_turn_ms"] = [c.get("turn_ms") for c in cells]
     if not good:
         return out
     out["error"] = None
@@ -168,7 +181,8 @@ def combine_rounds(cells: list[dict], eager: list[dict] | None) -> dict:
     out["records_timed"] = sum(records) if records else None
     out["nodes"] = next((c["nodes"] for c in good if c["nodes"]), None)
     if eager is not None:
-        ratios = [c["ms"] / e["ms"] for c, e in zip(cells, eager) if c["ms"] is not None and e["ms"]]
+        ratios = [c["ratio"] if c.get("ratio") is not None else c["ms"] / e["ms"]
+                  for c, e in zip(cells, eager) if c["ms"] is not None and e["ms"]]
         if ratios:
             out["ratio"] = statistics.median(ratios)
             out["ratio_range"] = [min(ratios), max(ratios)]

@@ -1,4 +1,5 @@
-"""Times one (workload, subject) cell: steady-state backward, overhead, memory."""
+"""Times the cells of one workload, its subjects side by side: steady-state
+backward, overhead, memory."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 
 import cagrad
 from cagrad import engine as cagrad_engine
-from cagrad.run import runtime
 from cagrad.autograd.graph_task import GraphTask
+from cagrad.run import runtime
 
 from .subjects import Subject, backward_in
 from .workloads import Workload
@@ -57,8 +58,14 @@ class Cell:
             backward launched (ms; CUPTI through ``torch.profiler``, kernels
             inside a replayed CUDA graph included): the GPU's own work, the
             floor that removing all host overhead (a CUDA graph) could reach.
-        counters: cagrad's counters after the timed backwards (captures,
-            hits, ...).
+        counters: cagrad's counters over the warm-up and timed backwards
+            (captures, hits, ...).
+        ratio: median over the timed turns of this subject's backward time
+            over eager's in the same turn, where eager ran beside it
+            (:func:`measure_row`); None for eager itself.
+        turn_ms: each timed backward's time (ms), turn by turn (None in a
+            turn where it did not run); a turn's entries of the subjects of
+            one row were timed one after another.
         error: what went wrong, if the cell could not be measured.
     """
 
@@ -70,6 +77,8 @@ class Cell:
     records_timed: int | None = None
     gpu_ms: float | None = None
     counters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ratio: float | None = None
+    turn_ms: list[float | None] = dataclasses.field(default_factory=list)
     error: str | None = None
 
 
@@ -114,55 +123,140 @@ def _timed(fn: Any, spans: list[float], device: str) -> Any:
 
 
 def measure(workload: Workload, subject: Subject, device: str, iters: int) -> Cell:
-    """Runs ``WARMUP`` then ``iters`` timed backwards (forward untimed)."""
+    """Runs ``WARMUP`` then ``iters`` timed backwards (forward untimed) of one
+    subject alone: :func:`measure_row` with one subject."""
+    return measure_row(workload, {"subject": subject}, device, iters)["subject"]
+
+
+_COUNTED = ("captures", "cache_hits", "guard_hits", "fallbacks")
+_CUDA_GRAPH_COUNTERS = (
+    "cudagraph_records", "cudagraph_replays", "cudagraph_early_replays", "cudagraph_wasted_replays",
+    "cudagraph_evictions",
+)
+
+
+class _Row:
+    """The subjects of one workload, each with its model (``Subject.wrap`` of
+    the workload's module), cell and timed backwards, run one after another."""
+
+    def __init__(self, workload: Workload, subjects: dict[str, Subject], device: str) -> None:
+        self.workload, self.subjects, self.device = workload, subjects, device
+        self.models = {name: s.wrap(workload.model) for name, s in subjects.items()}
+        self.cells = {name: Cell() for name in subjects}
+        self.totals: dict[str, list[float | None]] = {name: [] for name in subjects}
+        self.records = {name: 0 for name in subjects}
+
+    def live(self) -> list[str]:
+        return [name for name, cell in self.cells.items() if cell.error is None]
+
+    def backward(self, name: str, timed: bool) -> None:
+        """One forward (untimed) and backward of ``name``; a cagrad subject's
+        counters are added to its cell's from the deltas around the backward
+        (another cagrad subject of the row counts into the same counters)."""
+        subject, cell = self.subjects[name], self.cells[name]
+        loss = self.workload.step(self.models[name])
+        _sync(self.device)
+        before = cagrad.counters.snapshot() if subject.is_cagrad else None
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            allocated = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        backward_in(subject, loss)
+        _sync(self.device)
+        if timed:
+            self.totals[name].append(time.perf_counter() - start)
+        records = 0
+        if before is not None:
+            after = cagrad.counters.snapshot()
+            for key in (*_COUNTED, *_CUDA_GRAPH_COUNTERS):
+                delta = after[key] - before[key]
+                if delta or key in _COUNTED:
+                    cell.counters[key] = cell.counters.get(key, 0) + delta
+            for reason, n in after["fallback_reasons"].items():
+                if n != before["fallback_reasons"].get(reason, 0):
+                    reasons = cell.counters.setdefault("fallback_reasons", {})
+                    reasons[reason] = reasons.get(reason, 0) + n - before["fallback_reasons"].get(reason, 0)
+            for reason, n in after["cudagraph_skip_reasons"].items():
+                if n != before["cudagraph_skip_reasons"].get(reason, 0):
+                    cell.counters["cudagraph_skip_reasons"] = after["cudagraph_skip_reasons"]
+            records = after["cudagraph_records"] - before["cudagraph_records"]
+        if timed and self.device == "cuda":
+            peak = (torch.cuda.max_memory_allocated() - allocated) / 2**20
+            cell.peak_mib = max(cell.peak_mib or 0.0, peak)
+            self.records[name] += records
+            if subject.is_cagrad and not records:
+                cell.peak_steady_mib = max(cell.peak_steady_mib or 0.0, peak)
+
+
+def measure_row(workload: Workload, subjects: dict[str, Subject], device: str, iters: int) -> dict[str, Cell]:
+    """Times the subjects of one workload side by side: each runs ``WARMUP``
+    backwards, then ``iters`` turns run one timed backward of every subject,
+    in an order rotated each turn (the machine's drift and each backward's
+    effect on the caches fall on every subject alike). A subject whose
+    backward raises is reported with its error and left out of later turns.
+
+    Returns:
+        a :class:`Cell` per subject. Where ``"eager"`` is among them, each
+        other cell's ``ratio`` is the median over turns of its time divided
+        by eager's time in the same turn.
+    """
     torch._dynamo.reset()
     cagrad.reset()
-    model = subject.wrap(workload.model)
-    cell = Cell()
+    row = _Row(workload, subjects, device)
     try:
-        cell.nodes = _node_count(workload.step(model))
-        for _ in range(WARMUP):
-            backward_in(subject, workload.step(model))
-        gc.collect()
-        totals = []
-        records_at_start = cagrad.counters["cudagraph_records"]
-        for _ in range(iters):
-            records_before = cagrad.counters["cudagraph_records"]
-            loss = workload.step(model)
-            _sync(device)
+        nodes = _node_count(workload.step(workload.model))
+    except Exception as e:  # noqa: BLE001 - a failing row is reported, the rest run
+        for cell in row.cells.values():
+            cell.error = _error(e)
+        return row.cells
+    for name in subjects:
+        row.cells[name].nodes = nodes
+        try:
+            for _ in range(WARMUP):
+                row.backward(name, timed=False)
+        except Exception as e:  # noqa: BLE001
+            row.cells[name].error = _error(e)
+    gc.collect()
+    for i in range(iters):
+        names = row.live()
+        if not names:
+            break
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            try:
+                row.backward(name, timed=True)
+            except Exception as e:  # noqa: BLE001
+                row.cells[name].error = _error(e)
+        for name in subjects:  # one entry per turn for every subject: paired by index
+            if len(row.totals[name]) < i + 1:
+                row.totals[name].append(None)
+    eager = row.totals.get("eager")
+    for name, cell in row.cells.items():
+        cell.turn_ms = [None if t is None else t * 1e3 for t in row.totals[name]]
+    for name in row.live():
+        cell, subject, model = row.cells[name], subjects[name], row.models[name]
+        totals = [t for t in row.totals[name] if t is not None]
+        try:
+            cell.ms = statistics.median(totals) * 1e3
+            if eager is not None and name != "eager":
+                ratios = [t / e for t, e in zip(row.totals[name], eager) if t is not None and e]
+                cell.ratio = statistics.median(ratios) if ratios else None
+            if subject.is_cagrad:
+                cell.records_timed = row.records[name] if device == "cuda" else 0
+                overheads = _overheads(workload, subject, model, device, max(OVERHEAD_ITERS, iters // 2))
+                if overheads:
+                    cell.overhead_us_per_node = statistics.median(overheads) * 1e6 / max(cell.nodes or 0, 1)
             if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            start = time.perf_counter()
-            backward_in(subject, loss)
-            _sync(device)
-            totals.append(time.perf_counter() - start)
-            if device == "cuda":
-                peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-                cell.peak_mib = max(cell.peak_mib or 0.0, peak)
-                if subject.is_cagrad and cagrad.counters["cudagraph_records"] == records_before:
-                    cell.peak_steady_mib = max(cell.peak_steady_mib or 0.0, peak)
-        if subject.is_cagrad:
-            cell.records_timed = cagrad.counters["cudagraph_records"] - records_at_start
-            snap = cagrad.counters.snapshot()
-            cell.counters = {k: snap[k] for k in ("captures", "cache_hits", "guard_hits", "fallbacks")}
-            if snap["fallbacks"]:
-                cell.counters["fallback_reasons"] = snap["fallback_reasons"]
-            for k in (
-                "cudagraph_records", "cudagraph_replays", "cudagraph_early_replays", "cudagraph_wasted_replays",
-                "cudagraph_evictions", "cudagraph_skip_reasons",
-            ):
-                if snap.get(k):  # reduce-overhead: whether the backward replayed a CUDA graph
-                    cell.counters[k] = snap[k]
-            overheads = _overheads(workload, subject, model, device, max(OVERHEAD_ITERS, iters // 2))
-            if overheads:
-                cell.overhead_us_per_node = statistics.median(overheads) * 1e6 / max(cell.nodes, 1)
-        cell.ms = statistics.median(totals) * 1e3
-        if device == "cuda":
-            cell.gpu_ms = statistics.median(_device_ms(workload, subject, model) for _ in range(PROFILED))
-    except Exception as e:  # noqa: BLE001 - a failing cell is reported, the rest run
-        cell.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-    return cell
+                cell.gpu_ms = statistics.median(_device_ms(workload, subject, model) for _ in range(PROFILED))
+        except Exception as e:  # noqa: BLE001
+            cell.error = _error(e)
+    for cell in row.cells.values():
+        if cell.error is not None:
+            cell.ms = None
+    return row.cells
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
 
 
 def _overheads(workload: Workload, subject: Subject, model: Any, device: str, n: int) -> list[float]:

@@ -188,16 +188,61 @@ def test_rounds_combine_into_median_ratios_against_the_same_rounds_eager():
     assert failed["error"] == "boom" and "ratio" not in failed
 
 
-def test_bench_rounds_measure_the_table_again(tmp_path):
+@pytest.mark.parametrize("mode", ["--interleave", "--sequential"])
+def test_bench_rounds_measure_the_table_again(tmp_path, mode):
     out = tmp_path / "bench.json"
-    _bench("--workloads", "mlp", "--subjects", "eager,cagrad[eager]", "--iters", "2", "--rounds", "2",
-           "--json", str(out))
+    _bench("--workloads", "mlp", "--subjects", "eager,cagrad[eager]", "--iters", "3", "--rounds", "2",
+           mode, "--json", str(out))
     data = json.loads(out.read_text())
-    assert data["meta"]["rounds"] == 2
+    assert data["meta"]["rounds"] == 2 and data["meta"]["interleave"] == (mode == "--interleave")
     cells = data["cells"]["mlp"]
     eager, compiled = cells["eager"], cells["cagrad[eager]"]
     assert len(compiled["round_ms"]) == 2 and all(ms > 0 for ms in compiled["round_ms"])
-    ratios = [c / e for c, e in zip(compiled["round_ms"], eager["round_ms"])]
+    for sub in (eager, compiled):  # each round's ms: the median of its 3 timed backwards
+        assert [sorted(t)[1] for t in sub["round_turn_ms"]] == pytest.approx(sub["round_ms"])
+    if mode == "--interleave":
+        # each round's ratio: the median of the turns' ratios, cagrad's
+        # backward over eager's of the same turn
+        ratios = [sorted(c / e for c, e in zip(ct, et))[1]
+                  for ct, et in zip(compiled["round_turn_ms"], eager["round_turn_ms"])]
+    else:
+        ratios = [c / e for c, e in zip(compiled["round_ms"], eager["round_ms"])]
     assert compiled["ratio_range"] == pytest.approx([min(ratios), max(ratios)])
     # each round starts from a reset cagrad: 1 capture, then hits only
-    assert compiled["counters"] == {"captures": 1, "cache_hits": 4, "guard_hits": 4, "fallbacks": 0}
+    assert compiled["counters"] == {"captures": 1, "cache_hits": 5, "guard_hits": 5, "fallbacks": 0}
+
+
+def test_a_row_times_its_subjects_in_rotating_turns():
+    """measure_row: each subject's warm-up backwards, then one timed backward
+    of every subject per turn, the order rotating from turn to turn; a
+    subject whose backward raises is reported and left out of later turns."""
+    import contextlib
+
+    from harness.bench.measure import WARMUP, measure_row
+    from harness.bench.subjects import Subject
+    from harness.bench.workloads import mlp
+
+    ran: list[str] = []
+
+    def context(name: str, fail_at: int | None = None):
+        @contextlib.contextmanager
+        def ctx():
+            ran.append(name)
+            if fail_at is not None and ran.count(name) == fail_at:
+                raise RuntimeError("boom")
+            yield
+
+        return ctx
+
+    subjects = {"eager": Subject(lambda m: m, context("eager")), "a": Subject(lambda m: m, context("a")),
+                "b": Subject(lambda m: m, context("b", fail_at=WARMUP + 2))}
+    cells = measure_row(mlp("cpu"), subjects, "cpu", 3)
+    warm = ["eager"] * WARMUP + ["a"] * WARMUP + ["b"] * WARMUP
+    # turn 1: eager a b; turn 2 starts at the second: a b (raises) eager;
+    # turn 3 of the two left starts at the first (3rd turn, 2 subjects)
+    assert ran == warm + ["eager", "a", "b", "a", "b", "eager", "eager", "a"]
+    assert cells["b"].error == "RuntimeError: boom" and cells["b"].ms is None
+    assert [t is not None for t in cells["b"].turn_ms] == [True, False, False]
+    assert all(t is not None for t in cells["a"].turn_ms + cells["eager"].turn_ms)
+    ratios = sorted(a / e for a, e in zip(cells["a"].turn_ms, cells["eager"].turn_ms))
+    assert cells["a"].ratio == pytest.approx(ratios[1]) and cells["eager"].ratio is None
