@@ -20,14 +20,23 @@ if it has none.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Iterator
 
 log = logging.getLogger("cagrad")
 verbose_log = logging.getLogger("cagrad.verbose")
 guards_log = logging.getLogger("cagrad.guards")
 
 _FORMAT = "[cagrad %(levelname)s] %(message)s"
+
+#: the logger that torch's FakeTensor mode logs a failing meta kernel to
+#: (``torch/_subclasses/fake_tensor.py``: ``log.exception("failed while
+#: attempting to run meta for %s", func)``, then it raises)
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+_META_FAILED = "failed while attempting to run meta"
 _KNOWN = ("graph", "verbose", "fallbacks", "guards")
 
 
@@ -90,3 +99,40 @@ def graph_captured(graph_module) -> None:
             "captured graph:\n%s",
             graph_module.print_readable(print_output=False, include_stride=True, include_device=True),
         )
+
+
+class _MetaFailuresHeld(logging.Filter):
+    """Holds back, from this thread only, the records of torch's FakeTensor
+    logger that say a meta kernel raised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread == self.thread and str(record.msg).startswith(_META_FAILED):
+            self.held.append(record)
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def meta_failures_held(what: str) -> Iterator[None]:
+    """Inside: a meta kernel that raises while cagrad traces (the exception
+    reaches cagrad, which runs that node as it is or the backward in eager,
+    and says so in its counters and fallback log) is not logged at ERROR by
+    torch's FakeTensor logger, as it would be under ``torch.compile``: a
+    program whose eager run logs nothing logs nothing under cagrad either.
+    Each held record is logged to ``cagrad.verbose`` at DEBUG instead, with
+    its traceback, prefixed by ``what``. Records of other threads and other
+    messages pass."""
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+    held = _MetaFailuresHeld()
+    logger.addFilter(held)
+    try:
+        yield
+    finally:
+        logger.removeFilter(held)
+        for record in held.held:
+            verbose_log.debug("%s: torch's FakeTensor logged: %s", what, record.getMessage(), exc_info=record.exc_info)

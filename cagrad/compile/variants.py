@@ -64,15 +64,16 @@ def trace(
         Unsupported: anything else that cannot be captured.
     """
     collector = collected.collector
-    return AutogradCompilerInstance(
-        collected.task,
-        collector,
-        accumulate_at_end=not collector.any_opaque,
-        profile=profile,
-        dynamic_slots=dynamic_slots,
-        force_opaque=force_opaque,
-        distinct_slots=distinct_slots,
-    ).capture()
+    with logs.meta_failures_held("trace"):
+        return AutogradCompilerInstance(
+            collected.task,
+            collector,
+            accumulate_at_end=not collector.any_opaque,
+            profile=profile,
+            dynamic_slots=dynamic_slots,
+            force_opaque=force_opaque,
+            distinct_slots=distinct_slots,
+        ).capture()
 
 
 MAX_FORCED_OPAQUE = 16

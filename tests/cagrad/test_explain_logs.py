@@ -103,3 +103,35 @@ def test_explain_and_the_verbose_log_name_a_changed_global_state(model, caplog):
     assert lines[1] == f"capture: {d}"
     assert lines[2] == f"global state changed since this graph was compiled: {d.detail}"
     assert cagrad.counters["recompiles_global_state"] == 1
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_a_meta_kernel_that_raises_in_the_trace_logs_no_error(caplog):
+    """torch's FakeTensor logs a meta kernel that raises at ERROR, with its
+    traceback, then raises (torch 2.13 and 2.14: ``_grouped_mm``'s rejects
+    float32, which the CPU kernel takes, as in the models suite's
+    mixtral_grouped_mm row). cagrad catches the failure and runs that node
+    as it is; a program that logs nothing in eager logs nothing at WARNING
+    or above under cagrad, and the record goes to cagrad.verbose at DEBUG."""
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="cagrad.verbose")
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 8, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
+    offs, weight = torch.tensor([4, 8], dtype=torch.int32), torch.randn(8, 8)
+
+    def grads():
+        a.grad = b.grad = None
+        (torch._grouped_mm(a * 1, b * 1, offs=offs) * weight).sum().backward()
+        return a.grad, b.grad
+
+    expected = grads()
+    caplog.clear()
+    with cagrad.enable("eager"):
+        actual = grads()
+    for e, g in zip(expected, actual):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert cagrad.counters["opaque_reasons"]["trace_failed:GroupedMmBackward0"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    held = [r for r in caplog.records if r.name == "cagrad.verbose" and "run meta" in r.getMessage()]
+    assert len(held) == 1 and held[0].exc_info is not None
+    assert logging.getLogger(logs.FAKE_TENSOR_LOGGER).filters == []  # torch's records pass again
