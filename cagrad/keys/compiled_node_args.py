@@ -51,7 +51,7 @@ from ..errors import EagerError, Unsupported
 from ..hooks import backward_tracing, cpp_hooks, hook_tracing
 from ..hooks.hooks_census import Census, FoundHooks
 from .cache_key import CacheKey, KeyWriter
-from .sizes import SizeInputs
+from .sizes import SizeInputs, is_nested_int
 from .subclasses import SubclassSpec, flatten, metadata_bytes, write_subclass
 
 _STRIDED = torch.strided
@@ -501,6 +501,12 @@ class Collector:
             w.dtype(info.dtype)
             w.device(info.device)
             if all_shapes or not info.differentiable:
+                if any(is_nested_int(v) for v in info.shape):
+                    # a jagged output: its ragged size has no slot value
+                    # (a subclass in a custom Function runs in eager)
+                    raise Unsupported(
+                        "tensor_subclass", f"{call.name} output {i} is jagged (a nested int in its shape)"
+                    )
                 w.size(len(info.shape))
                 self.output_slots[(call.id, i)] = self.sizes.add(
                     info.shape, all_shapes, f"{call.name} output {i}"
