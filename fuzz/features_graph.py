@@ -170,10 +170,11 @@ def draw_graph_features(draw: Any, program: Program, pool: Sequence[ValueInfo]) 
     a ``torch.func`` term (1 in 12), a double backward (1 in 12) and a
     subclass leaf (1 in 20 of the programs whose ops all take a
     ``TwoTensor``), of a kind drawn after the leaf (so programs without one
-    draw as before): ``two_tensor`` or ``dtensor``, each as likely, among
-    the kinds torch has and with which the program validates (for
-    ``dtensor``: loss ``"sum"``, no plain tensor meeting a DTensor), else
-    ``two_tensor``, else the one left; no kind is drawn where none is.
+    draw as before): ``two_tensor``, ``dtensor`` or ``jagged``, each as
+    likely, among the kinds torch has and with which the program validates
+    (for ``dtensor``: loss ``"sum"``, no plain tensor meeting a DTensor; for
+    ``jagged``: :func:`fuzz.ir_graph.check_jagged`), else ``two_tensor``,
+    else the first left; no kind is drawn where none is.
     Each shrinks to off (a kind to ``two_tensor``); a drawn feature that
     does not validate is left out."""
     values = [v for v in pool if v.requires_grad]

@@ -13,9 +13,11 @@ its shared checks, :mod:`fuzz.ir_check`, so that the IR can call it):
 * ``subclass_leaves``: names of leaves built as a tensor subclass of
   ``subclass_kind`` (one of :data:`SUBCLASSES`; :mod:`fuzz.subclass_leaves`):
   ``"two_tensor"`` (the default: ``torch.testing._internal.two_tensor.TwoTensor``
-  of the leaf's values and a second seeded tensor) or ``"dtensor"`` (a
-  ``DTensor`` on a one-rank device mesh, replicated or sharded), read only
-  by the ops of :data:`SUBCLASS_KIND_OPS` of the kind;
+  of the leaf's values and a second seeded tensor), ``"dtensor"`` (a
+  ``DTensor`` on a one-rank device mesh, replicated or sharded) or
+  ``"jagged"`` (a nested tensor of the jagged layout, the leaf's dims 0
+  and 1 made one ragged dim), read only by the ops of
+  :data:`SUBCLASS_KIND_OPS` of the kind;
 * ``double_backward``: a :class:`DoubleBackward`: the first-order grads of
   the roots w.r.t. ``inputs`` with ``create_graph=True``, inside the
   subject's context, then a penalty of those grads added to the roots, so
@@ -54,10 +56,10 @@ FUNC_FNS = ("sin_mul", "tanh_sq")
 PENALTIES = ("square", "sum")
 """How a double backward reduces each first-order grad ``g``: ``(g * g).sum()``
 or ``g.sum()``."""
-SUBCLASSES = ("two_tensor", "dtensor")
+SUBCLASSES = ("two_tensor", "dtensor", "jagged")
 """Kinds of subclass leaves (``Program.subclass_kind``; built by
-:mod:`fuzz.subclass_leaves`): ``TwoTensor``, or ``DTensor`` on a one-rank
-device mesh."""
+:mod:`fuzz.subclass_leaves`): ``TwoTensor``, ``DTensor`` on a one-rank
+device mesh, or a jagged nested tensor (``torch.jagged`` layout)."""
 DEFAULT_SUBCLASS_KIND = "two_tensor"
 """The kind of a program whose JSON has no ``subclass_kind`` (all programs
 written before DTensor leaves)."""
@@ -80,7 +82,28 @@ replicated or sharded on any dim, forward and backward under eager on torch
 2.13 and 2.14 (``tests/fuzz/test_fuzz_subclass_leaves.py`` runs each): those
 of :data:`SUBCLASS_OPS` but ``unbind``, which DTensor refuses along a
 sharded dim (``Attempted to unbind along the sharded dimension``)."""
-SUBCLASS_KIND_OPS = {"two_tensor": SUBCLASS_OPS, "dtensor": DTENSOR_OPS}
+JAGGED_OPS = frozenset(
+    {
+        "neg", "exp", "log", "sqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu", "silu", "abs",
+        "reciprocal", "clone", "pow", "mul_scalar", "add_scalar", "clamp", "add", "sub", "mul", "div",
+        "sum", "mean", "amax", "matmul", "fn_sin_scale", "fn_cube",
+    }
+)
+"""Ops that take a jagged nested tensor (or a value computed from one),
+forward and backward, under eager and cagrad on torch 2.13 and 2.14
+(``tests/fuzz/test_fuzz_jagged_leaves.py`` runs each), under the rules of
+:func:`check_jagged`. Left out: ``maximum``/``minimum`` (eager:
+``aten.masked_fill_.Scalar`` not implemented), reductions over a dim
+(``aten._nested_sum_backward``), ``log_softmax``
+(``_log_softmax_backward_data``), ``cumsum``, ``var``, the shape ops (the
+IR's sizes would read the ragged dim). The custom Functions
+``fn_sin_scale``/``fn_cube`` are in: cagrad runs their backwards in eager
+(``tensor_subclass``); it raised ``ge: relation is indeterminate`` keying
+their outputs' nested-int sizes until that was fixed."""
+JAGGED_REDUCTIONS = ("sum", "mean", "amax")
+"""The ops of :data:`JAGGED_OPS` that take a jagged value only as a full
+reduction (``dim`` None)."""
+SUBCLASS_KIND_OPS = {"two_tensor": SUBCLASS_OPS, "dtensor": DTENSOR_OPS, "jagged": JAGGED_OPS}
 """The ops that may read a value computed from a subclass leaf, by kind."""
 
 FIELDS = ("func_terms", "subclass_leaves", "subclass_kind", "double_backward")
@@ -255,7 +278,9 @@ def check_subclass_kind(program: Any, tainted: set[str], expect: Expect) -> None
     computed from one is reduced by loss ``"sum"`` (with loss
     ``"separate"`` a plain ``grad_output`` would seed a DTensor root, and
     eager then accumulates a plain ``.grad``), with no plain root beside it
-    (the sum's backward would mix the two)."""
+    (the sum's backward would mix the two). A jagged leaf (``"jagged"``,
+    one per program) has a shape ``(B, L, *rest)`` with ``B, L >= 2``; see
+    :func:`check_jagged` for what its values may meet."""
     kind = program.subclass_kind
     expect(
         kind in SUBCLASSES,
@@ -299,6 +324,54 @@ def check_subclass_kind(program: Any, tainted: set[str], expect: Expect) -> None
             f"roots {tainted_roots} are DTensors and {plain_roots} plain tensors: their sum's backward would "
             "mix them in an op",
         )
+    if kind == "jagged":
+        check_jagged(program, tainted, expect)
+
+
+def check_jagged(program: Any, tainted: set[str], expect: Expect) -> None:
+    """The rules of a jagged leaf: one per program, of a shape ``(B, L,
+    *rest)`` with ``B, L >= 2`` (its lengths must be able to differ:
+    :func:`fuzz.subclass_leaves.jagged_lengths`); roots computed from it
+    reduced by loss ``"sum"`` (a plain ``grad_output`` has no nested int);
+    with ``backward()`` no ``repeat`` above 1 (eager's second accumulation
+    into a jagged ``.grad`` raises ``aten::stride``, torch 2.13 and 2.14);
+    and of the ops reading its values, :data:`JAGGED_REDUCTIONS` reduce
+    them whole (``dim`` None), ``matmul`` has one as its first input by a
+    plain 2-d leaf, any other op of two inputs has both computed from it
+    (a plain tensor does not broadcast against a nested int)."""
+    n = len(program.subclass_leaves)
+    expect(n <= 1, "subclass_leaves", f"{n} jagged leaves: one per program (two would have two nested ints)")
+    shapes = {leaf.name: tuple(leaf.shape) for leaf in program.leaves}
+    for i, name in enumerate(program.subclass_leaves):
+        shape = shapes.get(name, ())
+        expect(
+            len(shape) >= 3 and shape[0] >= 2 and shape[1] >= 2,
+            f"subclass_leaves[{i}]",
+            f"jagged leaf {name!r} has shape {list(shape)}; it needs (B, L, *rest) with B, L >= 2 and rest non-empty",
+        )
+    roots = [r for r in program.roots if base_name(r) in tainted]
+    expect(
+        program.loss == "sum" or not roots,
+        "loss",
+        f"roots {roots} are jagged: loss {program.loss!r} would seed them with plain grad_outputs; use loss 'sum'",
+    )
+    expect(
+        program.mode != "backward" or program.repeat <= 1,
+        "repeat",
+        f"repeat {program.repeat}: eager's second accumulation into a jagged .grad raises (aten::stride)",
+    )
+    for i, op in enumerate(program.ops):
+        if op.name not in tainted:
+            continue
+        plain = [r for r in op.inputs if base_name(r) not in tainted]
+        if op.op in JAGGED_REDUCTIONS:
+            ok, why = op.attrs.get("dim") is None, f"over dim {op.attrs.get('dim')!r}: only a full reduction (dim None)"
+        elif op.op == "matmul":
+            first = base_name(op.inputs[0]) in tainted and len(shapes.get(op.inputs[1], ())) == 2
+            ok, why = first and plain == [op.inputs[1]], "takes it as its first input and a plain 2-d leaf as its second"
+        else:
+            ok, why = not plain, f"mixes jagged values with plain tensor(s) {plain}"
+        expect(ok, f"ops[{i}]", f"{op.op} of a jagged value {why}, got inputs {list(op.inputs)}")
 
 
 def check_training(program: Any, expect: Expect) -> None:
@@ -361,7 +434,7 @@ NONDIFF_SIBLING_OPS = ("topk", "max_dim")
 def program_features(program: Any) -> set[str]:
     """The graph features ``program`` uses, named for coverage tables:
     ``graph:func.<transform>``, ``graph:subclass.<kind>`` (``two_tensor``,
-    ``dtensor``),
+    ``dtensor``, ``jagged``),
     ``graph:double_backward.<penalty>``, ``graph:inner_grad.hook``,
     ``graph:inner_grad.function``, and with loss ``"separate"`` (the roots
     start the backward themselves) ``graph:root.output_nonzero`` (a root at
@@ -394,6 +467,8 @@ __all__ = [
     "FIELDS",
     "FUNC_FNS",
     "JACREV_MAX_NUMEL",
+    "JAGGED_OPS",
+    "JAGGED_REDUCTIONS",
     "PENALTIES",
     "SUBCLASSES",
     "SUBCLASS_KIND_OPS",
@@ -402,6 +477,7 @@ __all__ = [
     "DoubleBackward",
     "FuncTerm",
     "check",
+    "check_jagged",
     "check_subclass_kind",
     "fields_to_dict",
     "parse_fields",

@@ -151,8 +151,11 @@ def render_source(program: Program) -> str:
         if leaf.name in program.subclass_leaves:
             second = _uniform(program.seed, f"{leaf.name}/b", shape, f"torch.{leaf.dtype}")
             placement = subclass_leaves.placement_expr(program.seed, leaf.name, len(leaf.shape))
+            offsets = subclass_leaves.offsets_expr(program.seed, leaf.name, tuple(leaf.shape))
             body.append(
-                subclass_leaves.leaf_line(program.subclass_kind, leaf.name, leaf.requires_grad, second, placement)
+                subclass_leaves.leaf_line(
+                    program.subclass_kind, leaf.name, leaf.requires_grad, second, placement, offsets
+                )
             )
     outer, body = body, fresh  # training: the rest runs once per optimizer step
     body.extend(training_render.op_lines(program))

@@ -144,9 +144,13 @@ def _compare_subclass(
     must agree one by one (``where.a``, ``where.b``; a DTensor's
     ``_local_tensor``). An inner value that is not a tensor (a DTensor's
     ``device_mesh`` since torch 2.13) must be equal, and so must a
-    DTensor's ``placements``."""
+    DTensor's ``placements``. A jagged nested tensor is compared by
+    layout, offsets and values (:func:`_compare_jagged`)."""
     if type(expected) is not type(actual):
         return Mismatch(where, f"class differs: eager {type(expected).__name__}, subject {type(actual).__name__}")
+    jagged = getattr(torch, "jagged", None)  # a torch without jagged nested tensors has no such layout
+    if jagged is not None and jagged in (expected.layout, actual.layout):
+        return _compare_jagged(expected, actual, where, tolerance)
     names, _ = expected.__tensor_flatten__()
     other, _ = actual.__tensor_flatten__()
     if list(names) != list(other):
@@ -164,6 +168,25 @@ def _compare_subclass(
         if m is not None:
             return m
     return None
+
+
+def _compare_jagged(
+    expected: torch.Tensor, actual: torch.Tensor, where: str, tolerance: ToleranceFn
+) -> Mismatch | None:
+    """Two nested tensors of one class, at least one of the jagged layout:
+    the layouts, the ragged dim and the offsets (lengths) must be eager's
+    exactly (``where.offsets()``), the values then agree as any tensor
+    (``where.values()``, dtype and shape included). The cached minimum and
+    maximum lengths are not compared: they follow from the offsets."""
+    if expected.layout != actual.layout:
+        return Mismatch(where, f"layout differs: eager {expected.layout}, subject {actual.layout}")
+    ragged = getattr(expected, "_ragged_idx", None), getattr(actual, "_ragged_idx", None)
+    if ragged[0] != ragged[1]:
+        return Mismatch(where, f"ragged dim differs: eager {ragged[0]}, subject {ragged[1]}")
+    e_off, a_off = expected.offsets(), actual.offsets()
+    if e_off.shape != a_off.shape or not torch.equal(e_off.cpu(), a_off.cpu()):
+        return Mismatch(f"{where}.offsets()", f"offsets differ: eager {e_off.tolist()}, subject {a_off.tolist()}")
+    return compare_tensor(expected.values(), actual.values(), f"{where}.values()", tolerance)
 
 
 def compare_tensor_lists(

@@ -23,7 +23,12 @@ hit guard accepts is also collected in full and compared with it
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -179,3 +184,17 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def run_rendered_alone(tmp_path: Path, source: str, describe: str) -> Any:
+    """Runs a rendered fuzz program (``source``, with its ``run()``) in a
+    fresh Python process and returns ``describe`` (an expression over
+    ``gs``, the gradients ``run()`` returns) as JSON gives it back; asserts
+    the process exits 0."""
+    script = tmp_path / "plain.py"
+    script.write_text(source + "\n\nimport json\ngs = run()\nprint(json.dumps(" + describe + "))\n")
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])

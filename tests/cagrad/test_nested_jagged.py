@@ -21,6 +21,7 @@ from cagrad import internals
 from cagrad.keys.sizes import SizeInputs
 
 from .conftest import run_both, same
+from .test_custom_function_traced import Cube
 
 jagged = getattr(torch, "jagged", None)
 pytestmark = pytest.mark.skipif(jagged is None, reason="torch without the jagged layout")
@@ -157,26 +158,14 @@ def test_jagged_tensors_fall_back_when_the_nested_int_internal_changes(monkeypat
     assert internals.ok("nested_ints")
 
 
-class _Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * x * x * g
-
-
 def test_a_custom_function_on_a_jagged_tensor_runs_in_eager():
     """A custom Function whose output is jagged: its ragged size has no
     size slot, so the backward runs in eager, counted as tensor_subclass
     (the key raised ``ValueError: ge: relation is indeterminate`` comparing
     the nested int with 0, found by the fuzzer's jagged leaves)."""
     x, y = _njt((2, 4), 0), _njt((2, 4), 0)
-    _Cube.apply(y.sin()).values().sum().backward()
+    Cube.apply(y.sin()).values().sum().backward()
     with cagrad.enable("eager"):
-        _Cube.apply(x.sin()).values().sum().backward()
+        Cube.apply(x.sin()).values().sum().backward()
     _same_njt_grad(x, y)
     assert dict(cagrad.counters["fallback_reasons"]) == {"tensor_subclass": 1}

@@ -28,6 +28,7 @@ from fuzz.reduce import reduce_program
 from fuzz.render import render_source
 from fuzz.reproducer import write_reproducer
 from fuzz.strategies import GenConfig, programs
+from tests.conftest import run_rendered_alone
 
 HERE = Path(__file__).resolve().parent
 DRAW = GenConfig(max_ops=4, hooks=False, shapes=False, ops=("mul", "sin", "tanh", "sum", "matmul", "unbind"))
@@ -171,19 +172,11 @@ def test_rendered_code_alone_computes_the_interpreters_grads(tmp_path: Path) -> 
     exec(source, namespace)  # noqa: S102
     assert _local_values(namespace["run"]()) == expected
     # in a fresh process: the printed code makes its own process group
-    script = tmp_path / "plain.py"
-    script.write_text(
-        source
-        + "\n\nimport json\n"
-        + "gs = run()\n"
-        + "print(json.dumps([None if g is None else [type(g).__name__, str(getattr(g, 'placements', '')), "
-        + "(g.to_local() if hasattr(g, 'to_local') else g).tolist()] for g in gs]))\n"
+    got = run_rendered_alone(
+        tmp_path, source,
+        "[None if g is None else [type(g).__name__, str(getattr(g, 'placements', '')), "
+        "(g.to_local() if hasattr(g, 'to_local') else g).tolist()] for g in gs]",
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == json.loads(json.dumps(expected))
 
 
