@@ -16,6 +16,9 @@ graphs), ``verbose`` (miss reasons), ``fallbacks``, ``guards`` (generated hit
 guards); ``all`` for all four.
 Or call :func:`set_logs`. Either attaches one stderr handler to ``cagrad``
 if it has none.
+
+:func:`meta_failures_held` keeps torch's FakeTensor logger from printing,
+at ERROR, a meta kernel's failure that cagrad's trace catches and handles.
 """
 
 from __future__ import annotations
