@@ -261,6 +261,10 @@ class AutogradCompilerInstance(NodeApplication, OpaqueCalls):
                 fake = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
             else:
                 extent = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+                # a view with a size 0 holds no element: the sum above may
+                # then fall below its offset (a diagonal past the matrix,
+                # at a storage offset), where no base is needed beyond it
+                extent = torch.sym_max(extent, offset + 1)
                 base = torch.empty((extent,), dtype=t.dtype, device=t.device)
                 fake = base.as_strided(shape, stride, offset)
             if t.requires_grad:

@@ -8,6 +8,7 @@ gradients (the fault the issue planted by hand, planted here by the test).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -318,3 +319,23 @@ def test_a_two_minute_campaign_finds_a_planted_key_fault_as_a_cache_divergence(t
     text = (out / cache["reproducer"]).read_text()
     assert "NEIGHBOURS = 2" in text
     assert read_reproducer(out / cache["reproducer"])["neighbours"] == 2
+
+
+# ------------------------------------------------------- regression corpus
+REGRESSIONS = sorted((Path(__file__).parent / "regressions").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path) -> None:
+    """Programs campaigns found cagrad wrong on, as shrunk, kept with the
+    number of neighbours that showed it; each must now agree with eager,
+    alone and with its neighbours after it in one cache.
+
+    * ``empty-diagonal-at-offset``: campaign seed 52 (torch 2.14.1):
+      ``diagonal`` offset 2 -> 3 (a view of no element at storage offset
+      3, saved by ``logsumexp``) traced with symbols; the lifted view's fake
+      base got a negative extent and cagrad raised where eager runs.
+    """
+    program = Program.from_json(path.read_text())
+    verdict = Oracle(["cagrad[eager]", "cagrad[aot_eager]"], devices=["cpu"], neighbours=2).run(program)
+    assert verdict.ok, verdict.report.summary()
