@@ -19,6 +19,12 @@ every DTensor leaf's ``.grad`` after the backward; ``ReplicatedDTensorGrad``:
 to ``Replicate()`` (values unchanged, placements not eager's). Only a
 program with a DTensor leaf (``subclass_kind: "dtensor"``) sees either.
 
+``ScaledJaggedGrad``: ``cagrad[eager]`` that doubles the values of every
+jagged leaf's ``.grad`` after the backward; ``ReoffsetJaggedGrad``:
+``cagrad[eager]`` whose jagged leaf grads come out with other offsets (the
+first two components' lengths moved by one, the values unchanged). Only a
+program with a jagged leaf (``subclass_kind: "jagged"``) sees either.
+
 Load with ``--plugin PATH/planted_graph_faults.py:NAME``; the package never
 imports this file.
 """
@@ -138,4 +144,43 @@ class ReplicatedDTensorGrad(harness.CagradSubject):
         for leaf in _dtensor_leaf_grads(run):
             if leaf.grad.placements != (Replicate(),):
                 leaf.grad = leaf.grad.redistribute(placements=[Replicate()])
+        return result
+
+
+def _jagged_leaves(run) -> Iterator[torch.Tensor]:
+    for leaf in run.leaves:
+        if leaf.layout == torch.jagged and leaf.grad is not None and leaf.grad.layout == torch.jagged:
+            yield leaf
+
+
+class ScaledJaggedGrad(harness.CagradSubject):
+    """``cagrad[eager]`` whose jagged leaf grads come out doubled (module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = "cagrad-scaled-jagged-grad[eager]"
+
+    def run(self, run):
+        result = super().run(run)
+        with torch.no_grad():
+            for leaf in _jagged_leaves(run):
+                leaf.grad.values().mul_(2)
+        return result
+
+
+class ReoffsetJaggedGrad(harness.CagradSubject):
+    """``cagrad[eager]`` whose jagged leaf grads come out with other offsets (module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = "cagrad-reoffset-jagged-grad[eager]"
+
+    def run(self, run):
+        result = super().run(run)
+        with torch.no_grad():
+            for leaf in _jagged_leaves(run):
+                # torch refuses a .grad of another nested int: the grad's
+                # offsets (the leaf's, shared) are rewritten in place
+                offsets = leaf.grad.offsets()
+                offsets[1] += 1 if offsets[2] - offsets[1] > 1 else -1
         return result

@@ -5,12 +5,9 @@ reproducer run alone, the IR's JSON and validation, drawn programs, each
 op of ``JAGGED_OPS`` on a jagged leaf, and planted faults in jagged
 gradients caught by the oracle.
 
-The planted faults are subjects defined here (loaded as
-``--plugin tests/fuzz/test_fuzz_jagged_leaves.py:NAME``):
-``ScaledJaggedGrad`` is ``cagrad[eager]`` that doubles the values of every
-jagged leaf's ``.grad`` after the backward; ``ReoffsetJaggedGrad`` is
-``cagrad[eager]`` whose jagged leaf grads come out with other offsets
-(the first two components' lengths moved by one, the values unchanged).
+The planted faults ``ScaledJaggedGrad`` and ``ReoffsetJaggedGrad`` are
+subjects of tests/fuzz/planted_graph_faults.py (loaded as
+``--plugin tests/fuzz/planted_graph_faults.py:NAME``).
 """
 
 from __future__ import annotations
@@ -20,14 +17,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import find, settings
 
-import harness
 from fuzz import features_graph, subclass_leaves
 from fuzz.campaign.steer import round_test
 from fuzz.interpret import eager_grads, run_forward
@@ -47,7 +42,7 @@ from fuzz.strategies import GenConfig, programs
 from tests.conftest import run_rendered_alone
 
 HERE = Path(__file__).resolve()
-SELF = str(HERE)
+PLANTED = str(HERE.parent / "planted_graph_faults.py")
 # a jagged leaf validates rarely (rank >= 3, full reductions only, loss "sum"):
 # this config's round 10 draws three
 DRAW = GenConfig(max_ops=4, hooks=False, shapes=False, ops=("mul", "sin", "tanh", "mean", "exp"))
@@ -81,45 +76,6 @@ MATMUL = Program(
     subclass_leaves=("x0",),
     subclass_kind="jagged",
 )
-
-
-def _jagged_leaves(run) -> Iterator[torch.Tensor]:
-    for leaf in run.leaves:
-        if leaf.layout == torch.jagged and leaf.grad is not None and leaf.grad.layout == torch.jagged:
-            yield leaf
-
-
-class ScaledJaggedGrad(harness.CagradSubject):
-    """``cagrad[eager]`` whose jagged leaf grads come out doubled (module doc)."""
-
-    def __init__(self) -> None:
-        super().__init__("eager")
-        self.name = "cagrad-scaled-jagged-grad[eager]"
-
-    def run(self, run):
-        result = super().run(run)
-        with torch.no_grad():
-            for leaf in _jagged_leaves(run):
-                leaf.grad.values().mul_(2)
-        return result
-
-
-class ReoffsetJaggedGrad(harness.CagradSubject):
-    """``cagrad[eager]`` whose jagged leaf grads come out with other offsets (module doc)."""
-
-    def __init__(self) -> None:
-        super().__init__("eager")
-        self.name = "cagrad-reoffset-jagged-grad[eager]"
-
-    def run(self, run):
-        result = super().run(run)
-        with torch.no_grad():
-            for leaf in _jagged_leaves(run):
-                # torch refuses a .grad of another nested int: the grad's
-                # offsets (the leaf's, shared) are rewritten in place
-                offsets = leaf.grad.offsets()
-                offsets[1] += 1 if offsets[2] - offsets[1] > 1 else -1
-        return result
 
 
 def _grads_as_lists(grads) -> list:
@@ -251,7 +207,7 @@ def test_reproducer_file_reproduces_the_verdict(tmp_path: Path, plugin, code) ->
     if plugin is None:
         kwargs = {"subjects": CAGRAD_CPU, "plugins": []}
     else:
-        kwargs = {"subjects": [], "plugins": [f"{SELF}:{plugin}"]}
+        kwargs = {"subjects": [], "plugins": [f"{PLANTED}:{plugin}"]}
     path = write_reproducer(tmp_path / "repro.py", PROGRAM, devices=["cpu"], **kwargs)
     assert "nested_tensor_from_jagged" in path.read_text()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -271,7 +227,7 @@ def test_reproducer_file_reproduces_the_verdict(tmp_path: Path, plugin, code) ->
     ],
 )
 def test_planted_jagged_grad_faults_are_caught(plugin, where, words) -> None:
-    oracle = Oracle(plugins=[f"{SELF}:{plugin}"], devices=["cpu"])
+    oracle = Oracle(plugins=[f"{PLANTED}:{plugin}"], devices=["cpu"])
     verdict = oracle.run(PROGRAM)
     assert [k.status for k in verdict.keys] == ["mismatch"]
     (outcome,) = verdict.report.failures()
