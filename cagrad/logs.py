@@ -18,7 +18,9 @@ Or call :func:`set_logs`. Either attaches one stderr handler to ``cagrad``
 if it has none.
 
 :func:`meta_failures_held` keeps torch's FakeTensor logger from printing,
-at ERROR, a meta kernel's failure that cagrad's trace catches and handles.
+at ERROR, a meta kernel's failure that cagrad's trace catches and handles;
+:func:`torch_warnings_held` keeps the Python warnings torch emits while
+cagrad traces or compiles from being shown (or raised, under ``-W error``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 
 log = logging.getLogger("cagrad")
@@ -139,3 +142,63 @@ def meta_failures_held(what: str) -> Iterator[None]:
         logger.removeFilter(held)
         for record in held.held:
             verbose_log.debug("%s: torch's FakeTensor logged: %s", what, record.getMessage(), exc_info=record.exc_info)
+
+
+def _errors_possible() -> bool:
+    """Whether a warning filter in force turns some warning into an
+    exception (``python -W error``, pytest's ``filterwarnings = error``)."""
+    return any(f[0] == "error" for f in warnings.filters)
+
+
+@contextlib.contextmanager
+def torch_warnings_held(what: str) -> Iterator[None]:
+    """Inside: a Python warning emitted in this thread while cagrad traces
+    or compiles a backward is neither shown nor raised, and is logged to
+    ``cagrad.verbose`` at DEBUG (prefixed by ``what``) instead.
+
+    Eager runs no trace and no compiler, so it emits none of these: torch's
+    FakeTensor reading a non-leaf tensor's ``.grad`` ("The .grad attribute of
+    a Tensor that is not a leaf Tensor is being accessed", which torch itself
+    hides from display but which an ``"error"`` filter turns into an
+    exception before that), or a compiler's advice. A warning of the user's
+    code being traced never gets here: :mod:`cagrad.capture.warnings_in_trace`
+    makes it fail that trace, and the code then warns when it runs.
+
+    How, and what it costs:
+
+    * no ``"error"`` filter in force: ``warnings.showwarning`` is replaced
+      for the block (as torch's ``torch._logging.hide_warnings`` does);
+      filters and registries are untouched, so a held warning counts, in
+      its (torch) module's registry, as shown;
+    * an ``"error"`` filter in force: the filters are also set to record
+      every warning for the block (:class:`warnings.catch_warnings`), which
+      clears Python's once-per-place registries (a warning eager shows once
+      may be shown once more), and another thread's warning during the block
+      is logged here rather than raised there.
+    """
+    me = threading.get_ident()
+    held: list[warnings.WarningMessage] = []
+    if _errors_possible():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                held.extend(caught)
+    else:
+        prior = warnings.showwarning
+
+        def _show(message, category, filename, lineno, file=None, line=None):
+            if threading.get_ident() == me:
+                held.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
+            else:
+                prior(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = _show
+        try:
+            yield
+        finally:
+            if warnings.showwarning is _show:  # leave a later replacement alone
+                warnings.showwarning = prior
+    for w in held:
+        verbose_log.debug("%s: torch warned (%s:%s) %s: %s", what, w.filename, w.lineno, w.category.__name__, w.message)

@@ -108,7 +108,7 @@ def main() -> None:
     metavar="KIND.ACTION,...",
     help="Draw hooks only of these kinds and actions (e.g. 'tensor.pure_scale,tensor.pure_shift': hooks "
     "cagrad traces into its graph); default: every one but the opt-in 'pre.pure_scale' and 'post.pure_scale' "
-    "(pure node hooks, drawn only when named).",
+    "(pure node hooks) and 'tensor.warn' (a hook that warns), drawn only when named.",
 )
 @click.option(
     "--shapes/--no-shapes",

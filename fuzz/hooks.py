@@ -11,6 +11,7 @@ plain code; keep the two in step (``tests/fuzz`` checks they agree).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,9 @@ def tensor_hook(trace: list, hook: Hook) -> Any:
         trace.append((label, seen))
         if action == "callback":
             queue_callback(lambda: trace.append((f"{label} callback", seen)))
+            return None
+        if action == "warn":
+            warnings.warn(f"{label} saw a gradient", UserWarning, stacklevel=1)
             return None
         if g is None or action == "observe":
             return None

@@ -107,6 +107,8 @@ def run_from_values(program: Program, values: dict[str, torch.Tensor], device: A
         retain_graph=program.retain_graph,
         repeat=program.repeat,
         trace=trace,
+        # a training program records .grad kept per optimizer step instead
+        grads_kept=program.train is None,
         # torch.func terms and a double backward run in the subject's context
         before_backward=features_graph.stage(program, values, trace),
     )

@@ -67,7 +67,7 @@ class Op:
 
 # hook kind -> the actions it takes (the first is the simplest)
 HOOK_KINDS: dict[str, tuple[str, ...]] = {
-    "tensor": ("observe", "scale", "shift", "zero", "callback", "pure_scale", "pure_shift", "inner_grad"),
+    "tensor": ("observe", "scale", "shift", "zero", "callback", "pure_scale", "pure_shift", "inner_grad", "warn"),
     "retain_grad": ("observe",),
     "pre": ("observe", "scale", "pure_scale"),
     "post": ("observe", "scale", "drop", "pure_scale"),
@@ -77,7 +77,9 @@ HOOK_KINDS: dict[str, tuple[str, ...]] = {
 # (GenConfig.hook_actions, --hook-actions): drawing them by default moves
 # every seed's programs, which the suite's seed-chosen campaign tests and
 # issue 38's coverage figure for seed 1 were measured on
-OPT_IN_HOOK_ACTIONS: frozenset[tuple[str, str]] = frozenset({("pre", "pure_scale"), ("post", "pure_scale")})
+OPT_IN_HOOK_ACTIONS: frozenset[tuple[str, str]] = frozenset(
+    {("pre", "pure_scale"), ("post", "pure_scale"), ("tensor", "warn")}
+)
 # hook kind -> the actions generation draws by default
 DEFAULT_HOOK_ACTIONS: dict[str, tuple[str, ...]] = {
     kind: tuple(a for a in actions if (kind, a) not in OPT_IN_HOOK_ACTIONS) for kind, actions in HOOK_KINDS.items()
@@ -110,7 +112,10 @@ class Hook:
       inside the hook: ``torch.autograd.grad`` of ``(a.sin() * a).sum()``
       for ``a = g.detach().requires_grad_()`` (a small graph of its own),
       records that grad ``d`` and returns ``g + d``
-      (:func:`fuzz.features_graph.inner_grad_hook`);
+      (:func:`fuzz.features_graph.inner_grad_hook`); ``warn`` records ``g``,
+      calls ``warnings.warn("<label> saw a gradient")`` (a ``UserWarning``,
+      which the oracle counts: :mod:`harness.warnings_seen`) and returns
+      None;
     * ``"retain_grad"``: ``target.retain_grad()`` on a non-leaf; its
       ``.grad`` is compared after the backward like a leaf's;
     * ``"pre"``: ``target.grad_fn.register_prehook(fn)``; ``fn(grad_outputs)``

@@ -77,20 +77,26 @@ def signature(key: FailureKey, op_set: Sequence[str]) -> str:
 
 # "state cpu_rng", "step 2/4: state cpu_rng" (harness.compare.compare_state)
 _STATE_WHERE = re.compile(r"(?:^|: )state \w+$")
+# "warnings", "step 2/4: warnings" (harness.warnings_seen.compare_warnings)
+_WARNINGS_WHERE = re.compile(r"(?:^|: )warnings$")
 
 
 def mismatch_kind(m: harness.Mismatch | None) -> str:
     """``value`` (numbers differ), ``meta`` (None versus a tensor, shape,
-    dtype), ``trace`` (hook trace), ``unexpected-success`` (eager raised) or
+    dtype), ``trace`` (hook trace), ``unexpected-success`` (eager raised),
     ``captures`` (a size sequence's captures break cagrad's rule, see
     :mod:`harness.capture_rule`), ``cache`` (a neighbour program got a
-    wrong cache hit, see :class:`Oracle`) or ``state`` (the backward left
+    wrong cache hit, see :class:`Oracle`), ``state`` (the backward left
     the process state, a random stream or a flag, otherwise than eager's:
-    :func:`harness.compare.compare_state`)."""
+    :func:`harness.compare.compare_state`) or ``warnings`` (the backward
+    emitted other Python warnings than eager's:
+    :mod:`harness.warnings_seen`)."""
     if m is None:
         return "value"
     if _STATE_WHERE.search(m.where):
         return "state"
+    if _WARNINGS_WHERE.search(m.where):
+        return "warnings"
     if m.where == "cache":
         return "cache"
     if m.where == "captures":

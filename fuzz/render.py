@@ -73,6 +73,8 @@ def _hook_lines(hook: Hook) -> list[str]:
             body.append(f"return None if g is None else g + {hook.arg!r}")
         elif hook.action == "zero":
             body.append("return None if g is None else torch.zeros_like(g)")
+        elif hook.action == "warn":
+            body.append(f"warnings.warn({hook.label + ' saw a gradient'!r}, UserWarning, stacklevel=1)")
         elif hook.action == "callback":
             body = [
                 f"seen = {_COPY.format('g')}",
@@ -121,8 +123,22 @@ def _hook_lines(hook: Hook) -> list[str]:
     raise ValueError(f"unknown hook kind {hook.kind!r}")  # pragma: no cover - validate() rejects it
 
 
+def _grads_kept_lines(repeat: int, leaves: str) -> list[str]:
+    """After each backward but the first: whether each leaf's ``.grad`` is
+    still the tensor the first left (``harness.program.ProgramRun.grads_kept``)."""
+    return [
+        "    if kept_from is None:",
+        f"        kept_from = [leaf.grad for leaf in {leaves}]",
+        "        continue",
+        f"    for i, (leaf, old) in enumerate(zip({leaves}, kept_from)):",
+        f"        trace.append((f'backward {{k + 1}}/{repeat}: leaf {{i}} .grad kept', None if old is None else leaf.grad is old))",
+    ]
+
+
 def render_source(program: Program) -> str:
     lines = ["import torch", *training_render.imports(program)]
+    if any(h.action == "warn" for h in program.hooks):
+        lines.insert(0, "import warnings")
     lines.extend(subclass_leaves.imports(program.subclass_kind, bool(program.subclass_leaves)))
     sources = _function_sources(program)
     if any("once_differentiable" in src for src in sources):
@@ -198,6 +214,13 @@ def render_source(program: Program) -> str:
         body.append(
             f"    torch.autograd.backward(outputs, grad_tensors=grad_outputs, retain_graph={retain}, inputs={inputs})"
         )
+        if program.repeat > 1 and program.train is None:
+            body[-2:-1] = [
+                *([] if program.hooks or stage else ["trace = [] if trace is None else trace"]),
+                "kept_from = None  # each .grad the first backward left",
+                f"for k in range({program.repeat}):",
+            ]
+            body.extend(_grads_kept_lines(program.repeat, leaves))
         body.append(f"return [leaf.grad for leaf in {leaves}]")
     body = outer + training_render.step_loop(program, body) if program.train is not None else outer + body
     lines.extend("    " + line for line in body)

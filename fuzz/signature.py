@@ -26,7 +26,9 @@ campaign worker) to a short text that is stable across programs:
   another order than eager's say ``hook events in another order``; a
   field of the process state the backward left otherwise than eager's
   says ``state <field> left otherwise than eager's`` (``state cpu_rng``:
-  the subject drew from the CPU generator, or did not draw as eager did).
+  the subject drew from the CPU generator, or did not draw as eager did);
+  a warning emitted another number of times than eager's says
+  ``warnings: <category> <message template> fewer|more times than eager's``.
 * ``crash``: the signal name (``SIGSEGV``); ``timeout``: ``timeout``.
 
 :func:`make_signature` prefixes it with ``subject@device status kind``.
@@ -76,8 +78,15 @@ _WHERE_ROLES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^grad result \d+$"), "grad"),
     (re.compile(r"^trace length$"), "trace length"),
     (re.compile(r"^trace\b"), "trace"),
+    (re.compile(r"(?:^|: )warnings$"), "warnings"),
 ]
 
+
+# harness.warnings_seen.compare_warnings's detail
+_WARNED = re.compile(
+    r"^the backward emitted (?P<category>\w+) (?P<text>.*) \(at [^()]*\) (?P<got>\d+) time\(s\); "
+    r"eager's emitted it (?P<want>\d+) time\(s\)"
+)
 
 # a trace entry whose hook label differs: "eager has 'h3 post v2', subject has 'h1 pre v0'"
 _HOOK_LABEL = r"'h\d+\w* \w+ [^']*'"
@@ -182,6 +191,10 @@ def _mismatch_cause(outcome: dict[str, Any]) -> str:
         return f"{state[1]} left otherwise than eager's"
     role = _where_role(str(first.get("where", "")))
     detail = str(first.get("detail", "")).strip()
+    warned = _WARNED.match(detail) if role == "warnings" else None
+    if warned:
+        fewer = int(warned["got"]) < int(warned["want"])
+        return f"warnings: {warned['category']} {message_template(warned['text'])} {'fewer' if fewer else 'more'} times than eager's"
     # numeric differences keep only that they differ: the numbers vary with
     # the program, and assert_close's first line names no cause
     if first.get("max_abs") is not None or detail.startswith(("Tensor-likes are not", "Scalars are not")):

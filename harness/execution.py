@@ -4,13 +4,13 @@
 seed (the caller's RNG state is restored afterwards), runs its backward inside
 the subject's context, and snapshots everything the oracle compares: copies
 of the leaf ``.grad`` s, of the ``autograd.grad`` results and of the hook
-trace, plus the subject's counter deltas. A subject with
-:attr:`~harness.subjects.Subject.steps` above 1 (CUDA graphs: a warm-up, a
-recording, replays) runs the program that many times in a row, each build
-fresh under the same seed, its state kept between them; every step's
-values are kept for the oracle. Exceptions are captured, never
-propagated, except that a failing ``build`` is flagged as such so that the
-runner can tell a broken program from a broken engine.
+trace, the warnings the backward emitted, plus the subject's counter
+deltas. A subject with :attr:`~harness.subjects.Subject.steps` above 1
+(CUDA graphs: a warm-up, a recording, replays) runs the program that many
+times in a row, each build fresh under the same seed, its state kept
+between them; every step's values are kept for the oracle. Exceptions are
+captured, never propagated, except that a failing ``build`` is flagged as
+such so that the runner can tell a broken program from a broken engine.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from harness import global_state
+from harness import global_state, warnings_seen
 from harness.devices import seeded, synchronize
 from harness.outcome import ErrorInfo
 from harness.program import Program, ThreadTrace
 from harness.subjects import Subject, counter_deltas, graph_nodes
+from harness.warnings_seen import WarningRecord
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class StepValues:
     trace: list[Any]
     state_before: global_state.GlobalState | None = None
     state_after: global_state.GlobalState | None = None
+    warnings: list[WarningRecord] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -59,6 +61,8 @@ class Execution:
             backward (and before a subject's size probe), and right after
             the backward, both under the run's seed; None where the build
             or the backward raised.
+        warnings: every Python warning the backward emitted, in order
+            (:mod:`harness.warnings_seen`; C++ ``TORCH_WARN`` s included).
         earlier: subjects with ``steps`` > 1: the values of each step
             before the last, in order (the fields above are the last
             step's); empty otherwise.
@@ -87,6 +91,7 @@ class Execution:
     trace: list[Any] = dataclasses.field(default_factory=list)
     state_before: global_state.GlobalState | None = None
     state_after: global_state.GlobalState | None = None
+    warnings: list[WarningRecord] = dataclasses.field(default_factory=list)
     earlier: list[StepValues] = dataclasses.field(default_factory=list)
     error: ErrorInfo | None = None
     exc_type: type[BaseException] | None = None
@@ -157,6 +162,7 @@ def execute(
             else:
                 out.leaf_grads, out.grad_results, out.trace = values.leaf_grads, values.grad_results, values.trace
                 out.state_before, out.state_after = values.state_before, values.state_after
+                out.warnings = values.warnings
         out.phase = None
     except Exception as exc:
         out.error = ErrorInfo.from_exception(exc)
@@ -190,8 +196,9 @@ def _step(
             out.node_types = tuple(sorted(type(n).__name__ for n in graph_nodes(run.outputs)))
         before = subject.counters()
         try:
-            result = subject.run(run)
-            synchronize(device)
+            with warnings_seen.recording() as emitted:
+                result = subject.run(run)
+                synchronize(device)
         finally:
             counts, reasons = counter_deltas(before, subject.counters())
             for k, v in counts.items():
@@ -208,6 +215,7 @@ def _step(
             _trace_snapshot(run.trace),
             state_before,
             state_after,
+            emitted,
         )
 
 

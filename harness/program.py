@@ -45,6 +45,15 @@ class Observation(NamedTuple):
         return repr(tuple(self))
 
 
+@torch.compiler.disable
+def _this_thread() -> int:
+    """``threading.get_ident()``, out of Dynamo's sight: torch's compiled
+    autograd traces a program's hooks, and Dynamo warns about a builtin it
+    cannot trace (``_thread.get_ident``), a warning of the harness's, not
+    of the program's (:mod:`harness.warnings_seen`)."""
+    return threading.get_ident()
+
+
 class ThreadTrace(list):
     """A hook trace that also notes the thread each event was recorded in
     (``threads[i]``: ``threading.get_ident()`` of event ``i``) and the
@@ -62,12 +71,12 @@ class ThreadTrace(list):
 
     def __init__(self, events: Any = ()) -> None:
         super().__init__()
-        self.owner = threading.get_ident()
+        self.owner = _this_thread()
         self.threads: list[int] = []
         self.extend(events)
 
     def append(self, event: Any) -> None:
-        self.threads.append(threading.get_ident())
+        self.threads.append(_this_thread())
         super().append(event)
 
     def extend(self, events: Any) -> None:
@@ -92,6 +101,13 @@ class ProgramRun:
         repeat: how many times the backward runs on the same graph (values
             above 1 need ``retain_graph=True``); results are compared after
             the last one.
+        grads_kept: mode ``"backward"`` with ``repeat`` above 1: after each
+            backward but the first, :func:`run_backward` appends to the
+            trace, per leaf ``i``, ``Observation("backward k/n: leaf i
+            .grad kept", kept)``: whether the leaf's ``.grad`` is still the
+            tensor the first backward left (eager's ``AccumulateGrad`` adds
+            into it in place, so a reference to it sees the sum), ``None``
+            where the first left none.
         trace: events appended by hooks during the backward, compared as a
             list between subjects (:class:`Observation` s among them).
         driver: when set, :func:`run_backward` calls ``driver(run)``
@@ -110,6 +126,7 @@ class ProgramRun:
     retain_graph: bool | None = None
     repeat: int = 1
     trace: list[Any] = dataclasses.field(default_factory=list)
+    grads_kept: bool = False
     #: Called with the run by :func:`run_backward` once before its first
     #: backward, inside the subject's context: work that belongs to the
     #: backward's forward but must run where the engine is active (a
@@ -161,7 +178,9 @@ def run_backward(run: ProgramRun) -> tuple[torch.Tensor | None, ...] | None:
     if run.before_backward is not None:
         before, run.before_backward = run.before_backward, None  # once per run
         before(run)
-    for _ in range(max(1, run.repeat)):
+    n = max(1, run.repeat)
+    found: list[torch.Tensor | None] = []
+    for k in range(n):
         if run.mode == "grad":
             if run.inputs is None:
                 raise ValueError("a program in mode 'grad' needs inputs")
@@ -172,13 +191,20 @@ def run_backward(run: ProgramRun) -> tuple[torch.Tensor | None, ...] | None:
                 retain_graph=run.retain_graph,
                 allow_unused=True,
             )
-        else:
-            torch.autograd.backward(
-                run.outputs,
-                grad_tensors=run.grad_outputs,
-                retain_graph=run.retain_graph,
-                inputs=run.inputs,
-            )
+            continue
+        torch.autograd.backward(
+            run.outputs,
+            grad_tensors=run.grad_outputs,
+            retain_graph=run.retain_graph,
+            inputs=run.inputs,
+        )
+        if run.grads_kept and n > 1:
+            if k == 0:
+                found = [leaf.grad for leaf in run.leaves]
+                continue
+            for i, (leaf, old) in enumerate(zip(run.leaves, found)):
+                kept = None if old is None else leaf.grad is old
+                run.trace.append(Observation(f"backward {k + 1}/{n}: leaf {i} .grad kept", kept))
     return result
 
 

@@ -16,6 +16,7 @@ from harness.outcome import DifferentialReport, Mismatch, Outcome, Status
 from harness.program import Observation, Program
 from harness.subjects import EagerSubject, Subject, resolve_subjects
 from harness.tolerance import TolerancePolicy, python_float_tolerance, tolerance_for
+from harness.warnings_seen import compare_warnings
 
 
 class ProgramBuildError(RuntimeError):
@@ -50,9 +51,12 @@ def judge(
        (:attr:`harness.execution.Execution.value_dtypes`); then the process
        state the backward left, field by field, against what eager's left
        (``state cpu_rng``, ``state grad_enabled``, ...:
-       :func:`harness.compare.compare_state`). A subject
-       that runs the program several times (:attr:`Subject.steps`) has
-       every step compared with eager's one run.
+       :func:`harness.compare.compare_state`); then the Python warnings
+       the backward emitted (``warnings``: the same ``(category,
+       message)`` s the same number of times, but for a peer those of
+       torch's compiler stack: :func:`harness.warnings_seen.compare_warnings`).
+       A subject that runs the program several times
+       (:attr:`Subject.steps`) has every step compared with eager's one run.
     4. the subject fell back at least once: ``fallback``.
     5. otherwise ``equal``.
     """
@@ -95,7 +99,10 @@ def judge(
         return max([own, *others], key=lambda t: (t.rtol, t.atol))
 
     mismatches: list[Mismatch] = []
-    steps = [*got.earlier, StepValues(got.leaf_grads, got.grad_results, got.trace, got.state_before, got.state_after)]
+    steps = [
+        *got.earlier,
+        StepValues(got.leaf_grads, got.grad_results, got.trace, got.state_before, got.state_after, got.warnings),
+    ]
     for k, step in enumerate(steps, 1):
         # every step of a many-step subject (warm-up, recording, replays)
         # against eager's one run; a one-step subject's labels stay as they were
@@ -118,6 +125,7 @@ def judge(
         # after every value: a value that differs is the likelier root cause
         at = f"step {k}/{len(steps)}: " if len(steps) > 1 else ""
         mismatches += compare_state(reference.state_before, reference.state_after, step.state_before, step.state_after, at)
+        mismatches += compare_warnings(reference.warnings, step.warnings, at, peer=subject.peer)
     outcome.mismatches = mismatches
     if mismatches:
         outcome.status = Status.MISMATCH
@@ -203,7 +211,7 @@ def run_differential(
         report.notes = _capture_notes(report.outcomes) + _sequence_notes(report.outcomes)
         return report
     for device in device_list:
-        reference = execute(EagerSubject(), program, device, seed)
+        reference = _reference(program, device, seed)
         if reference.phase == "build":
             assert reference.error is not None
             raise ProgramBuildError(
@@ -219,6 +227,20 @@ def run_differential(
                 after_subject(subject, device, report.outcomes[-1])
     report.notes = _capture_notes(report.outcomes)
     return report
+
+
+def _reference(program: Program, device: torch.device, seed: int) -> Execution:
+    """Eager's run of ``program``, the one subjects are judged against. A
+    run that warned is followed by a second one, whose warnings replace the
+    first's: a warning torch emits once per process (``TORCH_WARN_ONCE``,
+    Dynamo's ``warn_once``) is the first run's alone, and the subjects,
+    which run after it, are judged against what eager emits from then on."""
+    reference = execute(EagerSubject(), program, device, seed)
+    if reference.warnings and reference.error is None:
+        again = execute(EagerSubject(), program, device, seed)
+        if again.error is None:
+            reference.warnings = again.warnings
+    return reference
 
 
 def size_variants(program: Program) -> list[SizeVariant] | None:
@@ -242,7 +264,7 @@ def _run_sequence(
 ) -> None:
     references = []
     for k, variant in enumerate(variants):
-        reference = execute(EagerSubject(), variant.program, device, seed)
+        reference = _reference(variant.program, device, seed)
         if reference.phase == "build":
             assert reference.error is not None
             raise ProgramBuildError(

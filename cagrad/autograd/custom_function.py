@@ -119,7 +119,10 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     out = _original_apply(cls, *args, **kwargs)
     if torch.is_grad_enabled() and not kwargs:
         try:
-            _record(cls, args, out)
+            # out of a TorchFunctionMode's sight: each attribute read would
+            # reach a user's mode as a __get__ call eager never makes
+            with torch._C.DisableTorchFunction():
+                _record(cls, args, out)
         except Exception:  # noqa: BLE001 - a missing record only means a fallback
             pass
     return out

@@ -257,6 +257,11 @@ def _get_current_graph_task_keep_graph() -> bool:
 _current_graph_task_id.__doc__ = _original_graph_task_id.__doc__
 _get_current_graph_task_keep_graph.__doc__ = _original_keep_graph.__doc__
 _will_engine_execute_node.__doc__ = _original_will_execute.__doc__
+# out of Dynamo's sight, as torch's own functions are (see
+# cagrad.autograd.saved_variables: checkpoint's unpack hook calls them)
+_current_graph_task_id = torch.compiler.disable(_current_graph_task_id)
+_will_engine_execute_node = torch.compiler.disable(_will_engine_execute_node)
+_get_current_graph_task_keep_graph = torch.compiler.disable(_get_current_graph_task_keep_graph)
 
 
 def install() -> None:

@@ -170,6 +170,16 @@ def _pop_default_hooks(*args: Any, **kwargs: Any) -> Any:
     return out
 
 
+# Out of Dynamo's sight, as torch's own functions are (torch's files are
+# skipped by Dynamo's frame hook): called inside a torch.compile'd region
+# (torch's compiled autograd runs checkpoint's unpack hook from its graph),
+# Dynamo would trace these frames, warn about the builtins they call
+# ("Dynamo does not know how to trace the builtin ..._get_sequence_nr") and
+# break its graph there, where without cagrad it does neither.
+_push_default_hooks = torch.compiler.disable(_push_default_hooks)
+_pop_default_hooks = torch.compiler.disable(_pop_default_hooks)
+
+
 def install(graphs_alive_at_import: bool) -> None:
     """Watches default pack hooks being pushed and popped.
 

@@ -21,6 +21,7 @@ from ..errors import NodeTraceFailed, Unsupported
 from ..hooks import backward_tracing
 from ..keys import subclasses
 from .aot_backward import run_aot_backward
+from .warnings_in_trace import warnings_refused
 
 
 class NodeApplication:
@@ -49,16 +50,17 @@ class NodeApplication:
         name = call.name
         marker = self._last_node()
         try:
-            if name in formulas.FORMULAS and (self.symbolic or name in formulas.ALWAYS):
-                out = formulas.apply(
-                    name,
-                    call.node,
-                    inputs,
-                    lambda attr: self._sym_attr(call, attr),
-                    lambda i: self.metadata(*call.edges[i]),
-                )
-            else:
-                out = call.node(*inputs)
+            with warnings_refused():
+                if name in formulas.FORMULAS and (self.symbolic or name in formulas.ALWAYS):
+                    out = formulas.apply(
+                        name,
+                        call.node,
+                        inputs,
+                        lambda attr: self._sym_attr(call, attr),
+                        lambda i: self.metadata(*call.edges[i]),
+                    )
+                else:
+                    out = call.node(*inputs)
         except Unsupported:
             raise
         except formulas.NonStridedGradient as e:
@@ -141,10 +143,11 @@ class NodeApplication:
         node = call.node
         marker = self._last_node()
         try:
-            outs = custom_function.apply(
-                node, plan.record, call.edges, inputs, backward, self.metadata,
-                self._output_shape(call, plan),
-            )
+            with warnings_refused():
+                outs = custom_function.apply(
+                    node, plan.record, call.edges, inputs, backward, self.metadata,
+                    self._output_shape(call, plan),
+                )
         except Unsupported:
             raise
         except Exception as e:

@@ -22,6 +22,7 @@ from ..errors import HookTraceFailed, Unsupported
 from . import runtime_ops
 from .layouts import spec_of
 from .traced import NON_STRIDED
+from .warnings_in_trace import warnings_refused
 
 track_tensor_tree = internals.import_attr(
     "fake_tensor_capture", "torch.fx.experimental.proxy_tensor", "track_tensor_tree"
@@ -146,7 +147,8 @@ class OpaqueCalls:
         graph = self.tracer.graph
         marker = self._last_node()
         try:
-            result = getattr(runtime_ops, "traced_" + op)(hooks, *args)
+            with warnings_refused():  # a hook that warns runs opaque, warning every backward
+                result = getattr(runtime_ops, "traced_" + op)(hooks, *args)
         except Exception as e:  # noqa: BLE001 - any failure: the hooks run opaque
             node = self._last_node()
             while node is not marker:

@@ -8,6 +8,7 @@ from typing import Any, Union
 import torch
 import torch.fx
 
+from .. import logs
 from ..counters import counters
 from ..errors import Unsupported
 from ..preserve import preserved
@@ -227,7 +228,8 @@ def _resolve_name(compiler_fn: str) -> Callable[..., Callable[..., Any]]:
     backend = lookup_backend(compiler_fn)
 
     def compile_with_backend(gm: torch.fx.GraphModule, symbolic: bool, static_first: bool = False) -> Callable[..., Any]:
-        with preserved():  # eager runs no compiler: what it changes must not show
+        # eager runs no compiler: what it changes, or warns, must not show
+        with preserved(), logs.torch_warnings_held("compile"):
             compiled = direct_compile.compile_graph(backend, gm, compiler_fn, static_first)
         counters.bump("backend_compiles")
         if compiled is None:

@@ -64,7 +64,7 @@ def trace(
         Unsupported: anything else that cannot be captured.
     """
     collector = collected.collector
-    with logs.meta_failures_held("trace"):
+    with logs.meta_failures_held("trace"), logs.torch_warnings_held("trace"):
         return AutogradCompilerInstance(
             collected.task,
             collector,

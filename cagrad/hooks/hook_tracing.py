@@ -22,6 +22,10 @@ else stays opaque, which is always correct:
   calls, does arithmetic, comparisons, subscripts, jumps and loops: no
   ``STORE_GLOBAL``, ``STORE_ATTR``, ``STORE_SUBSCR``, ``STORE_DEREF``,
   ``DELETE_*``, ``IMPORT_*``, and no in-place operator (``g += 1``);
+* no call passes ``requires_grad=`` (a factory that makes a tensor record
+  history: the flag is set after the op, outside what a trace records; a
+  custom backward returning ``torch.ones_like(g, requires_grad=True) * 3``
+  under ``create_graph=True`` gave a ``.grad`` without history);
 * no attribute it reads names an in-place method (``mul_``), something
   private (``_foo``), random sampling, or a side-effecting namespace or
   method (``distributed``, ``cuda``, ``register_hook``, ``data``, ``grad``,
@@ -193,6 +197,12 @@ def _analyze(code: types.CodeType, allowed: frozenset[str]) -> Static | None:
         return None
     consts = [_const_text(c) for c in code.co_consts]
     if None in consts:
+        return None
+    if any(isinstance(c, tuple) and "requires_grad" in c for c in code.co_consts):
+        # a call with requires_grad= (torch.ones_like(g, requires_grad=True)):
+        # torch sets the flag after the op, so a trace holds the op without
+        # it, and under create_graph eager's gradient would record history
+        # where the graph's does not
         return None
     global_names: list[str] = []
     attr_names: list[str] = []

@@ -70,10 +70,19 @@ def check_supported_mode(create_graph: bool = False) -> None:
         raise Unsupported("inference_mode", "backward inside inference mode")
     if _any_autocast():
         raise Unsupported("autocast", "backward inside an autocast region")
+    if _dispatch_modes():
+        # a user's TorchDispatchMode (a FLOP counter, a debug mode) sees
+        # eager's kernels in eager, and would see the compiled graph's ops
+        raise Unsupported("dispatch_mode", "backward inside a TorchDispatchMode")
 
 
 def _autocast_on_cpu_or_cuda() -> bool:
     return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+# how many user TorchDispatchModes are active (torch's infra modes, such as
+# FakeTensorMode, are kept apart and not counted); a torch without it: none
+_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 # whether autocast is on for any device type: one C call, about 70 ns (the

@@ -215,7 +215,7 @@ def test_prod_gradient_of_a_permuted_input_has_eager_strides(zero, dim, backend)
         (g,) = torch.autograd.grad(out, [y])
         return g
 
-    expected, actual = run_both(build, backend)
+    expected, actual = run_both(_grad_made_with_requires_grad_custom, backend)
     same(expected, actual)
     assert expected.stride() == actual.stride()
     compiled_without_fallback()
@@ -253,3 +253,36 @@ def test_a_grad_mode_formula_gives_a_differentiable_gradient(name):
         for a, b in zip(result, expected):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert cagrad.counters["fallbacks"] == 0
+
+
+class _ThreeOnes(torch.autograd.Function):
+    """A backward that makes its gradient with ``requires_grad=True``
+    (torch's test_accumulate_grad_polyfill_case_3_2)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ones_like(g, requires_grad=True) * 3.0
+
+
+def _grad_made_with_requires_grad_custom():
+    var = torch.randn(2, 2, requires_grad=True)
+    var.grad = torch.ones_like(var)
+    out = _ThreeOnes.apply(var)
+    out.backward(torch.ones_like(out), create_graph=True)
+    return var.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_gradient_made_with_requires_grad_keeps_its_history(backend):
+    # eager: the .grad is the old one plus a tensor that records history,
+    # so it records history too (AddBackward0); a trace of the factory call
+    # would drop the flag, which torch sets after the op: such code runs as it is
+    cagrad.reset()
+    expected, actual = run_both(_grad_made_with_requires_grad_custom, backend)
+    same(expected.detach(), actual.detach())
+    assert expected.requires_grad and actual.requires_grad
+    assert type(actual.grad_fn) is type(expected.grad_fn)

@@ -8,12 +8,17 @@ program agrees with eager. Load it with ``--plugin PATH/broken_subject.py:Broken
 ``DrawsOnExp`` and ``CagradDrawsOnCapture`` leave the global random stream
 one draw ahead of eager's: a ``state`` mismatch.
 
+``SilencesWarnings`` ignores the warnings of a backward through ``sin``: a
+``warnings`` mismatch on a program whose hooks warn (``tensor.warn``).
+
 ``ForgetfulCagrad`` is cagrad that forgets its compiled graphs before every
 backward (its counters kept): it recaptures at every size of a size
 sequence, breaking the capture rule (:mod:`harness.capture_rule`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -148,6 +153,24 @@ class DrawsOnExp(harness.EagerSubject):
         if graph_has(run.outputs, "ExpBackward0"):
             torch.rand(())
         return result
+
+
+class SilencesWarnings(harness.EagerSubject):
+    """Eager autograd that ignores every warning of a backward whose graph
+    holds a ``SinBackward0``: right gradients, and a hook's ``warn`` (or a
+    kernel's) lost, as a compiled autograd that ran the hook once while it
+    traced would lose it on every later backward. The oracle reports a
+    ``mismatch`` of kind ``warnings``."""
+
+    def __init__(self) -> None:
+        super().__init__("silences[sin]")
+
+    def run(self, run: ProgramRun):
+        if not graph_has(run.outputs, "SinBackward0"):
+            return run_backward(run)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run_backward(run)
 
 
 

@@ -75,6 +75,11 @@ def test_generated_programs_run_under_eager_and_match_their_rendered_source(prog
     if program.double_backward is not None:
         expected |= {"double_backward grads", "double_backward requires_grad"}
     expected |= {label for label, _ in trace if label.startswith("train step ")}  # optimizer steps' records
+    if program.mode == "backward" and program.repeat > 1 and program.train is None:
+        n, leaves = program.repeat, len(program.leaves) + sum(h.kind == "retain_grad" for h in program.hooks)
+        kept = {f"backward {k}/{n}: leaf {i} .grad kept" for k in range(2, n + 1) for i in range(leaves)}
+        assert kept <= {label for label, _ in trace}  # a repeated backward records .grad kept
+        expected |= kept
     assert {label for label, _ in trace} <= expected
 
 

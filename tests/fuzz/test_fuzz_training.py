@@ -242,6 +242,21 @@ def test_a_grad_written_anew_instead_of_added_into_is_caught() -> None:
     assert where == ["train step 2/2: w1 .grad kept", "train step 2/2: w2 .grad kept"], where
 
 
+def test_a_grad_written_anew_by_a_repeated_backward_is_caught() -> None:
+    # no optimizer: a backward run twice on one graph (repeat=2) must add
+    # into the .grad the first left; a copy in its place has eager's values
+    p = dataclasses.replace(_mlp(), train=None, retain_graph=True, repeat=2)
+    verdict = _planted("ReplacesGrad").run(p)
+    (outcome,) = verdict.report.outcomes
+    where = [m.where for m in outcome.mismatches]
+    grads = [i for i, leaf in enumerate(p.leaves) if leaf.requires_grad]
+    assert where == [f"backward 2/2: leaf {i} .grad kept" for i in grads], where
+    assert {m.detail for m in outcome.mismatches} == {"eager has True, subject has False"}
+    run = build_run(p)
+    run_backward(run)
+    assert [e.label for e in run.trace] == [f"backward 2/2: leaf {i} .grad kept" for i in range(len(p.leaves))]
+
+
 def test_a_draw_after_the_backward_is_a_state_mismatch_at_that_step() -> None:
     p = _mlp(ops=_mlp().ops[:2] + (Op("y", "matmul", ("a", "w2")), Op("z", "sin", ("y",))))
     verdict = _planted("DrawsAfterBackward").run(p)
