@@ -22,8 +22,9 @@ engine, a compiled graph's from its generated code), and on CUDA eager's
 engine replays its worker threads' warnings at the end of the backward.
 
 A warning emitted once per process (C++ ``TORCH_WARN_ONCE``, Dynamo's
-``warn_once``, Python's ``"once"`` action is overridden here) is seen only
-by the first backward that reaches it, usually eager's reference;
+``warn_once``; Python's own ``"once"`` and ``"default"`` actions give way to
+the ``"always"`` set here) is seen only by the first backward that reaches
+it, usually eager's reference;
 :func:`harness.runner.run_differential` therefore judges subjects against a
 second eager run whenever the first one warned.
 
@@ -40,7 +41,7 @@ Example::
 
     with recording() as seen:
         loss.backward()
-    seen  # [WarningRecord(category='UserWarning', message='...', origin='hooks.py:12')]
+    seen  # [WarningRecord(category='UserWarning', message='...', origin='hooks.py:12', compiler=False)]
 """
 
 from __future__ import annotations
