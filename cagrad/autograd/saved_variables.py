@@ -203,6 +203,13 @@ def any_foreign_hooks() -> bool:
     return bool(_intervals) or any(_open.values())
 
 
+def foreign_hooks_on(nodes: Any) -> bool:
+    """Whether any of ``nodes`` (autograd nodes, AccumulateGrad excluded by
+    the caller) may carry pack hooks that are not cagrad's: one check per
+    backward where default hooks were never pushed, one per node after."""
+    return any_foreign_hooks() and any(may_have_foreign_hooks(n) for n in nodes)
+
+
 def may_have_foreign_hooks(node: Any) -> bool:
     """Whether ``node`` was created while default pack hooks were pushed."""
     seq = node._sequence_nr()

@@ -256,6 +256,7 @@ class _Generator:
             "_int64": _int64,
             "_lt": operator.lt,
             "_eq": operator.eq,
+            "_foreign_hooks": saved_variables.foreign_hooks_on,
         }
         # the C++ readers of input and tensor metadata (about 10x cheaper
         # than the Python attributes), or None
@@ -329,6 +330,14 @@ class _Generator:
                 self.var[c.id] for pos, c in enumerate(self.task.order) if c.node is not None and pos not in self.hooked
             )
             self.fail_if(f"counts is not None and not _hookless(({nodes},))")
+        saving = ", ".join(
+            self.var[c.id] for c in self.task.order if c.node is not None and type(c.node).__name__ != "AccumulateGrad"
+        )
+        if saving:
+            # before any saved tensor is read: reading one saved through
+            # checkpoint's pack hook unpacks it, and checkpoint refuses a
+            # second unpack in the backward that follows the miss
+            self.fail_if(f"_foreign_hooks(({saving},))")
         order = ", ".join("None" if c.node is None else self.var[c.id] for c in self.task.order)
         self.emit(f"N = ({order},)")
         self.emit("V = []")

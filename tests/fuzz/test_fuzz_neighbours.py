@@ -335,6 +335,13 @@ def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path) -
       ``diagonal`` offset 2 -> 3 (a view of no element at storage offset
       3, saved by ``logsumexp``) traced with symbols; the lifted view's fake
       base got a negative extent and cagrad raised where eager runs.
+    * ``checkpoint-unpacked-by-a-guard``: campaign seed 54 (torch 2.14.1):
+      a reentrant checkpoint of ``mul``, then its neighbour with a
+      selective-checkpoint policy (non-reentrant) in the same cache: the
+      first graph's hit guard read the neighbour's saved tensors, which
+      unpacked them through checkpoint's hook, and the backward after the
+      miss raised "Unpack is being triggered for a tensor that was already
+      unpacked once" where eager runs.
     """
     program = Program.from_json(path.read_text())
     verdict = Oracle(["cagrad[eager]", "cagrad[aot_eager]"], devices=["cpu"], neighbours=2).run(program)
