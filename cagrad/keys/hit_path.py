@@ -157,23 +157,14 @@ def census_allows(census: Any) -> bool:
     no Python node hook, tensor hook or C++ hook may be live anywhere (the
     census is the guard's only check of hooks then).
 
-    Foreign saved-tensor hooks (``census.claim_slots``: checkpointing or
-    ``saved_tensors_hooks`` were used in this process) are checked per graph
-    instead, by :func:`has_foreign_saved_hooks`.
+    Foreign saved-tensor hooks (checkpointing or ``saved_tensors_hooks``
+    were used in this process) are checked per graph instead, by each guard
+    before it reads a saved tensor (``_foreign_hooks``: a read would unpack
+    one saved through checkpoint's hook).
     """
     if census.counts is not None:
         return True
     return not (census.probe_nodes or census.tensor_hooks or census.cpp_hooks)
-
-
-def has_foreign_saved_hooks(hit: Hit) -> bool:
-    """Whether a node of the hit may carry pack hooks that are not cagrad's
-    (created while default saved-tensor hooks were pushed); the full path
-    then claims its slots (see :mod:`cagrad.autograd.saved_variables`)."""
-    return any(
-        n is not None and type(n).__name__ != "AccumulateGrad" and saved_variables.may_have_foreign_hooks(n)
-        for n in hit.order
-    )
 
 
 def build(collected: Any, call: Any, cache_node: Any) -> HitGuard | None:

@@ -67,8 +67,6 @@ def try_guards(call: BackwardCall, cache: CacheNode, census: Census) -> GuardedH
         hit = guard(call.tensors, call.grad_tensors, census.counts)
         if hit is None:
             continue
-        if census.claim_slots and hit_path.has_foreign_saved_hooks(hit):
-            return None
         objects = None
         if leaves.hooked:  # their hooks are part of what the guard accepts
             # (a graph without hooked leaves: the guard's _hookless found no

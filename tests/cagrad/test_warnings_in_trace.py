@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import cagrad
 from cagrad.capture.warnings_in_trace import WarnedInTrace, warnings_refused
+from harness.warnings_seen import recording
 
 IMPLICIT_DIM = "Implicit dimension choice for softmax"
 
@@ -46,14 +47,13 @@ def _backward(build, compiled: bool) -> tuple[torch.Tensor, list[str]]:
     torch.manual_seed(0)
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     loss = build(x)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with recording() as seen:
         if compiled:
             with cagrad.enable("eager"):
                 loss.backward()
         else:
             loss.backward()
-    return x.grad, [str(w.message) for w in caught]
+    return x.grad, [r.message for r in seen]
 
 
 @pytest.mark.parametrize("build", [_hooked, _custom], ids=["tensor_hook", "custom_backward"])

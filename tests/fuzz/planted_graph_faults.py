@@ -107,80 +107,84 @@ class RootAtOutputZero(harness.CagradSubject):
             yield
 
 
-def _dtensor_leaf_grads(run) -> Iterator[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
+class _BreaksLeafGrads(harness.CagradSubject):
+    """``cagrad[eager]``, then :meth:`break_grad` (under ``no_grad``) on
+    every leaf :meth:`leaves` picks: a fault in the ``.grad`` s a backward
+    leaves. Subclasses name themselves ``cagrad-<label>[eager]``."""
 
-    for leaf in run.leaves:
-        if isinstance(leaf, DTensor) and isinstance(leaf.grad, DTensor):
-            yield leaf
+    label = ""
+
+    def __init__(self) -> None:
+        super().__init__("eager")
+        self.name = f"cagrad-{self.label}[eager]"
+
+    def leaves(self, run) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+    def break_grad(self, leaf: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def run(self, run):
+        result = super().run(run)
+        with torch.no_grad():
+            for leaf in self.leaves(run):
+                self.break_grad(leaf)
+        return result
 
 
-class ScaledDTensorGrad(harness.CagradSubject):
+class _DTensorLeafGrads(_BreaksLeafGrads):
+    def leaves(self, run) -> Iterator[torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        for leaf in run.leaves:
+            if isinstance(leaf, DTensor) and isinstance(leaf.grad, DTensor):
+                yield leaf
+
+
+class ScaledDTensorGrad(_DTensorLeafGrads):
     """``cagrad[eager]`` whose DTensor leaf grads come out doubled (module doc)."""
 
-    def __init__(self) -> None:
-        super().__init__("eager")
-        self.name = "cagrad-scaled-dtensor-grad[eager]"
+    label = "scaled-dtensor-grad"
 
-    def run(self, run):
-        result = super().run(run)
-        with torch.no_grad():
-            for leaf in _dtensor_leaf_grads(run):
-                leaf.grad.to_local().mul_(2)
-        return result
+    def break_grad(self, leaf: torch.Tensor) -> None:
+        leaf.grad.to_local().mul_(2)
 
 
-class ReplicatedDTensorGrad(harness.CagradSubject):
+class ReplicatedDTensorGrad(_DTensorLeafGrads):
     """``cagrad[eager]`` whose sharded DTensor leaf grads come out replicated (module doc)."""
 
-    def __init__(self) -> None:
-        super().__init__("eager")
-        self.name = "cagrad-replicated-dtensor-grad[eager]"
+    label = "replicated-dtensor-grad"
 
-    def run(self, run):
+    def break_grad(self, leaf: torch.Tensor) -> None:
         from torch.distributed.tensor import Replicate
 
-        result = super().run(run)
-        for leaf in _dtensor_leaf_grads(run):
-            if leaf.grad.placements != (Replicate(),):
-                leaf.grad = leaf.grad.redistribute(placements=[Replicate()])
-        return result
+        if leaf.grad.placements != (Replicate(),):
+            leaf.grad = leaf.grad.redistribute(placements=[Replicate()])
 
 
-def _jagged_leaves(run) -> Iterator[torch.Tensor]:
-    for leaf in run.leaves:
-        if leaf.layout == torch.jagged and leaf.grad is not None and leaf.grad.layout == torch.jagged:
-            yield leaf
+class _JaggedLeafGrads(_BreaksLeafGrads):
+    def leaves(self, run) -> Iterator[torch.Tensor]:
+        for leaf in run.leaves:
+            if leaf.layout == torch.jagged and leaf.grad is not None and leaf.grad.layout == torch.jagged:
+                yield leaf
 
 
-class ScaledJaggedGrad(harness.CagradSubject):
+class ScaledJaggedGrad(_JaggedLeafGrads):
     """``cagrad[eager]`` whose jagged leaf grads come out doubled (module doc)."""
 
-    def __init__(self) -> None:
-        super().__init__("eager")
-        self.name = "cagrad-scaled-jagged-grad[eager]"
+    label = "scaled-jagged-grad"
 
-    def run(self, run):
-        result = super().run(run)
-        with torch.no_grad():
-            for leaf in _jagged_leaves(run):
-                leaf.grad.values().mul_(2)
-        return result
+    def break_grad(self, leaf: torch.Tensor) -> None:
+        leaf.grad.values().mul_(2)
 
 
-class ReoffsetJaggedGrad(harness.CagradSubject):
+class ReoffsetJaggedGrad(_JaggedLeafGrads):
     """``cagrad[eager]`` whose jagged leaf grads come out with other offsets (module doc)."""
 
-    def __init__(self) -> None:
-        super().__init__("eager")
-        self.name = "cagrad-reoffset-jagged-grad[eager]"
+    label = "reoffset-jagged-grad"
 
-    def run(self, run):
-        result = super().run(run)
-        with torch.no_grad():
-            for leaf in _jagged_leaves(run):
-                # torch refuses a .grad of another nested int: the grad's
-                # offsets (the leaf's, shared) are rewritten in place
-                offsets = leaf.grad.offsets()
-                offsets[1] += 1 if offsets[2] - offsets[1] > 1 else -1
-        return result
+    def break_grad(self, leaf: torch.Tensor) -> None:
+        # torch refuses a .grad of another nested int: the grad's offsets
+        # (the leaf's, shared) are rewritten in place
+        offsets = leaf.grad.offsets()
+        offsets[1] += 1 if offsets[2] - offsets[1] > 1 else -1
