@@ -79,6 +79,7 @@ def signature(key: FailureKey, op_set: Sequence[str]) -> str:
 _STATE_WHERE = re.compile(r"(?:^|: )state \w+$")
 # "warnings", "step 2/4: warnings" (harness.warnings_seen.compare_warnings)
 _WARNINGS_WHERE = re.compile(r"(?:^|: )warnings$")
+_LIFETIME_WHERE = re.compile(r"(?:^|: )lifetime$")
 
 
 def mismatch_kind(m: harness.Mismatch | None) -> str:
@@ -88,15 +89,18 @@ def mismatch_kind(m: harness.Mismatch | None) -> str:
     :mod:`harness.capture_rule`), ``cache`` (a neighbour program got a
     wrong cache hit, see :class:`Oracle`), ``state`` (the backward left
     the process state, a random stream or a flag, otherwise than eager's:
-    :func:`harness.compare.compare_state`) or ``warnings`` (the backward
+    :func:`harness.compare.compare_state`), ``warnings`` (the backward
     emitted other Python warnings than eager's:
-    :mod:`harness.warnings_seen`)."""
+    :mod:`harness.warnings_seen`) or ``lifetime`` (the run left other
+    storages of the forward alive than eager's: :mod:`harness.lifetimes`)."""
     if m is None:
         return "value"
     if _STATE_WHERE.search(m.where):
         return "state"
     if _WARNINGS_WHERE.search(m.where):
         return "warnings"
+    if _LIFETIME_WHERE.search(m.where):
+        return "lifetime"
     if m.where == "cache":
         return "cache"
     if m.where == "captures":

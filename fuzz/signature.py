@@ -28,7 +28,11 @@ campaign worker) to a short text that is stable across programs:
   says ``state <field> left otherwise than eager's`` (``state cpu_rng``:
   the subject drew from the CPU generator, or did not draw as eager did);
   a warning emitted another number of times than eager's says
-  ``warnings: <category> <message template> fewer|more times than eager's``.
+  ``warnings: <category> <message template> fewer|more times than eager's``;
+  a storage of the forward that the run left alive where eager freed it
+  (or the reverse) says ``lifetime: forward storages alive|freed <point>
+  where eager ...`` without the list of storages
+  (:func:`harness.lifetimes.compare_lifetimes`).
 * ``crash``: the signal name (``SIGSEGV``); ``timeout``: ``timeout``.
 
 :func:`make_signature` prefixes it with ``subject@device status kind``.
@@ -79,6 +83,7 @@ _WHERE_ROLES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"^trace length$"), "trace length"),
     (re.compile(r"^trace\b"), "trace"),
     (re.compile(r"(?:^|: )warnings$"), "warnings"),
+    (re.compile(r"(?:^|: )lifetime$"), "lifetime"),
 ]
 
 
@@ -192,6 +197,9 @@ def _mismatch_cause(outcome: dict[str, Any]) -> str:
     role = _where_role(str(first.get("where", "")))
     detail = str(first.get("detail", "")).strip()
     warned = _WARNED.match(detail) if role == "warnings" else None
+    if role == "lifetime":
+        # which storages vary with the program; the point and direction do not
+        return f"lifetime: {detail.partition(':')[0]}"
     if warned:
         fewer = int(warned["got"]) < int(warned["want"])
         return f"warnings: {warned['category']} {message_template(warned['text'])} {'fewer' if fewer else 'more'} times than eager's"

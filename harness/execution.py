@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from harness import global_state, warnings_seen
+from harness import global_state, lifetimes, warnings_seen
 from harness.devices import seeded, synchronize
+from harness.lifetimes import Lifetimes
 from harness.outcome import ErrorInfo
 from harness.program import Program, ThreadTrace
 from harness.subjects import Subject, counter_deltas, graph_nodes
@@ -41,6 +42,7 @@ class StepValues:
     state_before: global_state.GlobalState | None = None
     state_after: global_state.GlobalState | None = None
     warnings: list[WarningRecord] = dataclasses.field(default_factory=list)
+    lifetimes: Lifetimes | None = None
 
 
 @dataclasses.dataclass
@@ -63,6 +65,11 @@ class Execution:
             or the backward raised.
         warnings: every Python warning the backward emitted, in order
             (:mod:`harness.warnings_seen`; C++ ``TORCH_WARN`` s included).
+        lifetimes: which storages of the forward were alive right after
+            the backward, after the program let go of its objects, and
+            after a cyclic collection (:mod:`harness.lifetimes`, with
+            ``CAGRAD_FUZZ_LIFETIMES=1``); None where not recorded or where
+            the build or the backward raised.
         earlier: subjects with ``steps`` > 1: the values of each step
             before the last, in order (the fields above are the last
             step's); empty otherwise.
@@ -92,6 +99,7 @@ class Execution:
     state_before: global_state.GlobalState | None = None
     state_after: global_state.GlobalState | None = None
     warnings: list[WarningRecord] = dataclasses.field(default_factory=list)
+    lifetimes: Lifetimes | None = None
     earlier: list[StepValues] = dataclasses.field(default_factory=list)
     error: ErrorInfo | None = None
     exc_type: type[BaseException] | None = None
@@ -162,7 +170,7 @@ def execute(
             else:
                 out.leaf_grads, out.grad_results, out.trace = values.leaf_grads, values.grad_results, values.trace
                 out.state_before, out.state_after = values.state_before, values.state_after
-                out.warnings = values.warnings
+                out.warnings, out.lifetimes = values.warnings, values.lifetimes
         out.phase = None
     except Exception as exc:
         out.error = ErrorInfo.from_exception(exc)
@@ -182,9 +190,33 @@ def _step(
     ``subject``; counter deltas add up in ``out``, and ``out.phase`` says
     where it is (``"build"``, then ``"backward"``). Raises what the build or
     the backward raises."""
+    if not lifetimes.enabled():
+        return _build_and_run(out, subject, program, device, seed, probe_sizes, None)
+    storages = lifetimes.ForwardStorages()
+    with lifetimes.collector_paused():
+        values = _build_and_run(out, subject, program, device, seed, probe_sizes, storages)
+        # the program lets go of everything it built (values holds copies)
+        released, leaked = lifetimes.after_release(storages)
+    values.lifetimes = Lifetimes(values.lifetimes.after_backward, released, leaked)  # type: ignore[union-attr]
+    return values
+
+
+def _build_and_run(
+    out: Execution,
+    subject: Subject,
+    program: Program,
+    device: torch.device,
+    seed: int,
+    probe_sizes: bool,
+    storages: lifetimes.ForwardStorages | None,
+) -> StepValues:
+    """:func:`_step`'s build, backward and copies; the program's objects
+    are dropped when it returns (its lifetimes hold ``after_backward``
+    where ``storages`` records them)."""
     with seeded(device, seed):
         out.phase = "build"
-        run = program.build(device)
+        with storages if storages is not None else contextlib.nullcontext():
+            run = program.build(device)
         out.mode = run.mode
         out.value_dtypes = _floating_dtypes([*run.leaves, *run.outputs])
         synchronize(device)
@@ -216,6 +248,7 @@ def _step(
             state_before,
             state_after,
             emitted,
+            None if storages is None else Lifetimes(after_backward=storages.alive()),
         )
 
 

@@ -12,6 +12,7 @@ from harness.capture_rule import SizeVariant, allowed_captures, check_captures, 
 from harness.compare import compare_state, compare_tensor_lists, compare_trace
 from harness.devices import resolve_devices
 from harness.execution import Execution, StepValues, execute
+from harness.lifetimes import compare_lifetimes
 from harness.outcome import DifferentialReport, Mismatch, Outcome, Status
 from harness.program import Observation, Program
 from harness.subjects import EagerSubject, Subject, resolve_subjects
@@ -54,7 +55,12 @@ def judge(
        :func:`harness.compare.compare_state`); then the Python warnings
        the backward emitted (``warnings``: the same ``(category,
        message)`` s the same number of times, but for a peer those of
-       torch's compiler stack: :func:`harness.warnings_seen.compare_warnings`).
+       torch's compiler stack: :func:`harness.warnings_seen.compare_warnings`);
+       then which of the forward's storages the run left alive, right
+       after the backward, once the program let go of them, and after a
+       cyclic collection (``lifetime``: :func:`harness.lifetimes.compare_lifetimes`;
+       not for a peer, whose compiled autograd keeps its last graph's
+       inputs alive).
        A subject that runs the program several times
        (:attr:`Subject.steps`) has every step compared with eager's one run.
     4. the subject fell back at least once: ``fallback``.
@@ -101,7 +107,9 @@ def judge(
     mismatches: list[Mismatch] = []
     steps = [
         *got.earlier,
-        StepValues(got.leaf_grads, got.grad_results, got.trace, got.state_before, got.state_after, got.warnings),
+        StepValues(
+            got.leaf_grads, got.grad_results, got.trace, got.state_before, got.state_after, got.warnings, got.lifetimes
+        ),
     ]
     for k, step in enumerate(steps, 1):
         # every step of a many-step subject (warm-up, recording, replays)
@@ -126,6 +134,10 @@ def judge(
         at = f"step {k}/{len(steps)}: " if len(steps) > 1 else ""
         mismatches += compare_state(reference.state_before, reference.state_after, step.state_before, step.state_after, at)
         mismatches += compare_warnings(reference.warnings, step.warnings, at, peer=subject.peer)
+        if not subject.peer:
+            # torch's compiled autograd keeps its last graph's inputs (the
+            # leaves among them) alive: every program would differ
+            mismatches += compare_lifetimes(reference.lifetimes, step.lifetimes, at)
     outcome.mismatches = mismatches
     if mismatches:
         outcome.status = Status.MISMATCH

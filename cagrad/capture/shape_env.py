@@ -535,7 +535,9 @@ def _trace_shape_env_class() -> Any:
                 return proven
 
             def forget_probe(self) -> None:
-                """Drops the kept frames (at the end of a trace)."""
+                """Drops the kept frames (at the end of a trace, and of each
+                backend compile that asked this ShapeEnv): a frame kept
+                keeps its locals alive, its callers' frames and theirs."""
                 self._probed = None
                 self._perm_probed = None
                 self._storage_call = None

@@ -109,7 +109,30 @@ def compile_boxed(
     eager autograd compiles nothing.
     """
     with preserved():
-        return _compile_boxed(backend, name, gm, examples, inputs_keyed)
+        try:
+            return _compile_boxed(backend, name, gm, examples, inputs_keyed)
+        finally:
+            _forget_frames(examples)
+
+
+def _forget_frames(examples: Sequence[Any]) -> None:
+    """Drops the frames that cagrad's ShapeEnv kept while the backend
+    asked it questions (``forget_probe`` of
+    :mod:`cagrad.capture.shape_env`): a kept frame keeps its locals, and the
+    compile's callers hold the backward's collected tensors (the program's
+    leaves and saved activations among them), which then outlived the
+    program for as long as the compiled graph was cached
+    (:mod:`harness.lifetimes` found it)."""
+    envs: dict[int, Any] = {}
+    for e in examples:
+        node = getattr(e, "node", None) if isinstance(e, torch.SymInt) else None
+        env = node.shape_env if node is not None else getattr(getattr(e, "fake_mode", None), "shape_env", None)
+        if env is not None:
+            envs[id(env)] = env
+    for env in envs.values():
+        forget = getattr(env, "forget_probe", None)
+        if forget is not None:
+            forget()
 
 
 def _compile_boxed(

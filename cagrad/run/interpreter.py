@@ -141,5 +141,11 @@ def resume(
         state = [None if n is None else value(n) for n in point.inputs]
     else:
         state = result
-    walk.run(point.pos, point.phase, state)
-    return walk.captured
+    try:
+        walk.run(point.pos, point.phase, state)
+        return walk.captured
+    finally:
+        # after_opaque refers to ex: a cycle through the runtime objects
+        # (the leaves among them) that only Python's cyclic collector would
+        # free, where eager frees them when the program drops them
+        ex.after_opaque = None

@@ -7,6 +7,8 @@ without keeping it alive.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -385,3 +387,69 @@ def test_a_segmented_backward_frees_a_custom_functions_saved_tensors_once_past_i
     assert _custom_saved_alive_at_the_first_layer(None) == [False] * 3
     assert _custom_saved_alive_at_the_first_layer("eager") == [False] * 3
     assert cagrad.counters["fallbacks"] == 0 and cagrad.counters["cache_hits"] == 2
+
+
+def _leaves_of_a_program(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(rows, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    return x, w
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_dynamic_capture_keeps_no_tensor_of_its_program(backend):
+    """The backward at a second size is traced and compiled with symbols;
+    cagrad's ShapeEnv kept the frames it was asked from during the backend's
+    compile, their locals the collected backward, and so the program's
+    leaves and lifted tensors for as long as the graph stayed cached (found
+    by harness.lifetimes; aot_eager only). Eager frees them with the
+    program: here, with Python's cyclic collector off."""
+    refs = []
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for rows in (4, 5, 6):
+            x, w = _leaves_of_a_program(rows)
+            refs.append((StorageWeakRef(x.untyped_storage()), StorageWeakRef(w.untyped_storage())))
+            with cagrad.enable(backend):
+                (x @ w).sin().sum().backward()
+            del x, w
+            assert all(r.expired() for pair in refs for r in pair), f"a program's leaves outlived it at {rows} rows"
+    finally:
+        if was:
+            gc.enable()
+    assert cagrad.counters["captures"] == 2  # static, then symbolic
+
+
+class _DetachSecond(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        return 2 * x + torch.sign(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad, None
+
+
+def test_a_resumed_backward_leaves_no_reference_cycle():
+    """A node pre-hook on a custom Function: the run deopts and the
+    interpreter finishes it; its hook-registration callback referred to the
+    interpreter, which holds the runtime objects (the leaves among them), a
+    cycle only Python's cyclic collector freed (found by harness.lifetimes).
+    Eager frees the leaves when the program drops them."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        x = torch.rand(2, dtype=torch.float64, requires_grad=True)
+        y = torch.rand((), dtype=torch.float64, requires_grad=True)
+        out = _DetachSecond.apply(x, y)
+        seen = []
+        out.grad_fn.register_prehook(lambda grads: seen.append(len(grads)))
+        refs = [StorageWeakRef(x.untyped_storage()), StorageWeakRef(y.untyped_storage())]
+        with cagrad.enable("eager"):
+            out.sum().backward()
+        del x, y, out
+        assert seen == [1]
+        assert all(r.expired() for r in refs), "the leaves are held in a reference cycle"
+    finally:
+        if was:
+            gc.enable()

@@ -11,6 +11,10 @@ one draw ahead of eager's: a ``state`` mismatch.
 ``SilencesWarnings`` ignores the warnings of a backward through ``sin``: a
 ``warnings`` mismatch on a program whose hooks warn (``tensor.warn``).
 
+``KeepsSavedTensors`` runs every backward with ``retain_graph=True``: a
+``lifetime`` mismatch (with ``CAGRAD_FUZZ_LIFETIMES=1``) wherever the graph
+saved a tensor the program does not hold.
+
 ``ForgetfulCagrad`` is cagrad that forgets its compiled graphs before every
 backward (its counters kept): it recaptures at every size of a size
 sequence, breaking the capture rule (:mod:`harness.capture_rule`).
@@ -172,6 +176,22 @@ class SilencesWarnings(harness.EagerSubject):
             warnings.simplefilter("ignore")
             return run_backward(run)
 
+
+class KeepsSavedTensors(harness.EagerSubject):
+    """Eager autograd that keeps the graph's saved tensors after the
+    backward (``retain_graph=True`` where the program asked for none): right
+    gradients, and the forward's activations held until the graph dies, as a
+    runtime that kept its own references to them would hold them. The
+    oracle reports a ``mismatch`` of kind ``lifetime`` (with
+    ``CAGRAD_FUZZ_LIFETIMES=1``)."""
+
+    def __init__(self) -> None:
+        super().__init__("keeps-saved")
+
+    def run(self, run: ProgramRun):
+        if run.driver is None and not run.retain_graph:
+            run.retain_graph = True
+        return run_backward(run)
 
 
 class CagradDrawsOnCapture(harness.CagradSubject):
