@@ -265,7 +265,11 @@ def _pack(slot: Slot) -> tuple[SavedTensorHolder, RuntimeError | None]:
     try:
         _raw(slot).register_hooks(h.pack, h.unpack)
     except RuntimeError as e:
-        return h, e
+        # without its traceback: the caller keeps the error in a local, and
+        # the traceback's frame refers back to the caller's: a cycle through
+        # every frame of the stack (the backward's roots and the program's
+        # tensors in their locals) that only Python's cyclic collector frees
+        return h, e.with_traceback(None)
     _refs(node)[key] = weakref.ref(h)
     return h, None
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .. import logs
 from ..preserve import preserved
 
 BOXED_BACKENDS = ("eager", "aot_eager", "inductor")
@@ -105,10 +106,13 @@ def compile_boxed(
         empties the list); else ``fn(*args)``.
 
     The compile leaves the process state as it found it
-    (:func:`cagrad.preserve.preserved`: random generators, flags, configs):
-    eager autograd compiles nothing.
+    (:func:`cagrad.preserve.preserved`: random generators, flags, configs)
+    and shows no warning of torch's (:func:`cagrad.logs.torch_warnings_held`):
+    eager autograd compiles nothing. That holds for the compiles made after
+    the capture too (a graph's symbolic code at its first call at other
+    sizes, a static specialization), inside a later backward.
     """
-    with preserved():
+    with preserved(), logs.torch_warnings_held("compile"):
         try:
             return _compile_boxed(backend, name, gm, examples, inputs_keyed)
         finally:

@@ -73,8 +73,12 @@ def models(
     if not console.is_terminal:
         console = Console(width=200)
     if list_only:
-        for r in registry.all_rows():
-            click.echo(f"{r.name:<24}{r.library:<13}{r.description}")
+        rows = registry.all_rows()
+        # columns as wide as their longest entry: a name never runs into its library
+        name_w = max(len(r.name) for r in rows) + 2
+        lib_w = max(len(r.library) for r in rows) + 2
+        for r in rows:
+            click.echo(f"{r.name:<{name_w}}{r.library:<{lib_w}}{r.description}")
         raise SystemExit(EXIT_OK)
     if in_process and process_per_subject:
         raise click.UsageError("--in-process and --process-per-subject exclude each other")

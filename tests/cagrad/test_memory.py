@@ -453,3 +453,27 @@ def test_a_resumed_backward_leaves_no_reference_cycle():
     finally:
         if was:
             gc.enable()
+
+
+def test_a_checkpointed_backward_leaves_no_reference_cycle():
+    """A non-reentrant checkpoint: claiming a slot that carries checkpoint's
+    pack hooks fails, and the error kept by the claim held its traceback,
+    whose frames refer to the claim's (and every caller's, the loss and the
+    leaf in their locals): a cycle only Python's cyclic collector freed
+    (found by harness.lifetimes). Eager frees them when the program drops
+    them."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        x = torch.rand(3, 4, 4, 2, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(lambda t: torch.logsumexp(t, [0], keepdim=True), x, use_reentrant=False)
+        loss = out.sum()
+        refs = [StorageWeakRef(x.untyped_storage()), StorageWeakRef(loss.untyped_storage())]
+        with cagrad.enable("eager"):
+            loss.backward()
+        assert x.grad is not None
+        del x, out, loss
+        assert all(r.expired() for r in refs), "the leaf or the loss is held in a reference cycle"
+    finally:
+        if was:
+            gc.enable()

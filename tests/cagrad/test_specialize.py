@@ -181,3 +181,31 @@ def test_cuda_graphs_record_the_specialized_code():
     assert cagrad.counters["specializations"] == 1
     assert records_after[:3] == [0, 0, 1]  # warm-ups: the symbolic call, then the specialized one
     assert cagrad.counters["cudagraph_replays"] == 3
+
+
+def test_compiles_after_the_capture_show_no_warning_of_torchs(monkeypatch):
+    """The symbolic code (compiled at the first backward at other sizes)
+    and a specialization (at the second) are compiled inside a later
+    backward, not at its capture: a warning of the compiler's there (a
+    campaign saw inductor's ``torch._prims_common.check`` deprecation at a
+    size variant) reached the user's program, where eager compiles nothing.
+    Here every compile warns, with aot_eager specialized as inductor is."""
+    from cagrad.compile import boxed
+
+    monkeypatch.setattr(specialize, "SPECIALIZE_BACKENDS", ("aot_eager",))
+    compile_once = boxed._compile_boxed
+
+    def warning_compile(*args, **kwargs):
+        import warnings
+
+        warnings.warn("a compiler's advice", FutureWarning, stacklevel=1)
+        return compile_once(*args, **kwargs)
+
+    monkeypatch.setattr(boxed, "_compile_boxed", warning_compile)
+    from harness.warnings_seen import recording
+
+    with recording() as seen:
+        _train("aot_eager", [4, 7, 7])
+    assert cagrad.counters["captures"] == 1
+    assert cagrad.counters["specializations"] == 2  # at capture, then for 7
+    assert seen == []

@@ -284,6 +284,13 @@ def test_cli_list_and_usage_errors() -> None:
         "timm_convnext",
     ):
         assert name in listed.output
+    # each row's name, library and description stand apart (the longest
+    # name ran into its library)
+    lines = listed.output.splitlines()
+    rows = registry.all_rows()
+    assert len(lines) == len(rows)
+    for line, row in zip(lines, rows):
+        assert line.split()[:2] == [row.name, row.library], line
     assert runner.invoke(main, ["models", "--rows", "no_such_row"]).exit_code == 2
     assert runner.invoke(main, ["models", "--rows", "gpt2", "--subjects", "cagrad[eager"]).exit_code == 2
     assert runner.invoke(main, ["models", "--in-process", "--process-per-subject"]).exit_code == 2
