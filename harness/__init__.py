@@ -26,7 +26,7 @@ from harness.devices import available_devices, resolve_devices
 from harness.execution import Execution, execute
 from harness.outcome import DifferentialReport, ErrorInfo, Mismatch, Outcome, Status
 from harness.program import CallableProgram, Observation, Program, ProgramRun, program, run_backward
-from harness.runner import ProgramBuildError, judge, run_differential
+from harness.runner import ProgramBuildError, eager_reference, judge, run_differential
 from harness.subjects import (
     CagradSubject,
     EagerSubject,
@@ -63,6 +63,7 @@ __all__ = [
     "check_captures",
     "available_devices",
     "default_subjects",
+    "eager_reference",
     "examples",
     "execute",
     "judge",

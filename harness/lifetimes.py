@@ -46,8 +46,8 @@ once the program let go, freeing what eager leaks is no fault.
 
 Opt-in: runs record lifetimes only with ``CAGRAD_FUZZ_LIFETIMES=1`` in the
 environment (a campaign's workers inherit it, ``fuzz replay`` reads it).
-Its first campaigns found four differences of cagrad's: three fixed (a
-leak and two reference cycles), one left open (a gradient eager adopts as a
+Its first campaigns found five differences of cagrad's: four fixed (two
+leaks, two reference cycles), one left open (a gradient eager adopts as a
 view, copied: docs/fuzzing.md, *Lifetimes*), on which a default campaign
 would stop at once.
 

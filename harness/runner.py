@@ -223,7 +223,7 @@ def run_differential(
         report.notes = _capture_notes(report.outcomes) + _sequence_notes(report.outcomes)
         return report
     for device in device_list:
-        reference = _reference(program, device, seed)
+        reference = eager_reference(program, device, seed)
         if reference.phase == "build":
             assert reference.error is not None
             raise ProgramBuildError(
@@ -241,7 +241,7 @@ def run_differential(
     return report
 
 
-def _reference(program: Program, device: torch.device, seed: int) -> Execution:
+def eager_reference(program: Program, device: torch.device, seed: int = 0) -> Execution:
     """Eager's run of ``program``, the one subjects are judged against. A
     run that warned is followed by a second one, whose warnings replace the
     first's: a warning torch emits once per process (``TORCH_WARN_ONCE``,
@@ -286,7 +286,7 @@ def _run_sequence(
 ) -> None:
     references = []
     for k, variant in enumerate(variants):
-        reference = _reference(variant.program, device, seed)
+        reference = eager_reference(variant.program, device, seed)
         if reference.phase == "build":
             assert reference.error is not None
             raise ProgramBuildError(

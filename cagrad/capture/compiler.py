@@ -339,17 +339,21 @@ class AutogradCompilerInstance(NodeApplication, OpaqueCalls):
             self.profile,
             retain_at_end=self.accumulate_at_end and not run_context.create_graph(),
         )
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(self.fake_mode)
-            stack.enter_context(self.proxy_mode)
-            stack.enter_context(
-                SwapSavedVariables([h for h, _ in swapped], [f for _, f in swapped])
-            )
-            walk.start([f for _, f in lifted[: self.num_roots]])
-            walk.run()
-        if self.shape_env is not None:
-            self.shape_env.forget_probe()
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                stack.enter_context(self.fake_mode)
+                stack.enter_context(self.proxy_mode)
+                stack.enter_context(
+                    SwapSavedVariables([h for h, _ in swapped], [f for _, f in swapped])
+                )
+                walk.start([f for _, f in lifted[: self.num_roots]])
+                walk.run()
+        finally:
+            # a trace that raised too: the frames it kept keep the
+            # backward's tensors in their locals
+            if self.shape_env is not None:
+                self.shape_env.forget_probe()
         for read in inputs_proxy.node.users:
             # what the trace's fake values (meta["val"], detached) do not keep
             read.meta["cagrad_requires_grad"] = fakes[read.args[1]].requires_grad

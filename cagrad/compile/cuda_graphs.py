@@ -93,7 +93,7 @@ from typing import Any
 
 import torch
 
-from .. import native
+from .. import logs, native
 from ..counters import counters
 from .cuda_graph_host import MAX_HOST_VALUES, _HostInputs, unread_host_inputs
 from .cuda_graph_layout import (
@@ -190,7 +190,11 @@ def _capturing(graph: Any) -> Any:
         try:
             yield
         finally:
-            graph.capture_end()
+            # torch's notice on the graph itself ("The CUDA Graph is empty",
+            # a backward whose graph launches no kernel): eager records no
+            # graph and emits none (the H200 campaign's warnings oracle)
+            with logs.torch_warnings_held("cuda graph"):
+                graph.capture_end()
 
 
 class CudaGraphed:

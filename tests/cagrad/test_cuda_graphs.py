@@ -590,3 +590,26 @@ def test_the_rng_state_of_a_dropout_free_attention_backward_is_left_out_of_the_k
     assert cuda_graphs.unread_host_inputs(_attention_backward_graph(0.0)) == {4, 5, 6}
     assert cuda_graphs.unread_host_inputs(_attention_backward_graph(0.1)) == {6}
     assert cuda_graphs.unread_host_inputs(_attention_backward_graph(0.0, seed_also_added=True)) == {5, 6}
+
+
+@cuda
+def test_a_graph_that_launches_no_kernel_shows_no_warning() -> None:
+    """``x.sum()``: the backward's graph only expands the root gradient (a
+    view), so its CUDA graph is empty, and torch warns so at the end of the
+    recording ("The CUDA Graph is empty ..."). Eager records no graph and
+    warns nothing (the H200 campaign's warnings oracle found it)."""
+    from harness.warnings_seen import recording
+
+    x = torch.randn(5, 3, device="cuda", requires_grad=True)
+    with recording() as eager_seen:
+        for _ in range(4):
+            x.sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    with recording() as seen:
+        for _ in range(4):
+            with cagrad.enable("eager", mode="reduce-overhead"):
+                x.sum().backward()
+    torch.testing.assert_close(x.grad, expected)
+    assert cagrad.counters["cudagraph_records"] >= 1
+    assert [(w.category, w.message) for w in seen] == [(w.category, w.message) for w in eager_seen] == []

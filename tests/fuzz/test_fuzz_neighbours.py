@@ -21,6 +21,7 @@ from fuzz.neighbours import CHANGE_KINDS, derive, neighbours
 from fuzz.oracle import Oracle
 from fuzz.reproducer import read_reproducer, run_reproducer, write_reproducer
 from fuzz.strategies import GenConfig, programs
+from harness import lifetimes
 from tests.conftest import HANG_GUARD_S
 
 SOFTMAX = Program(
@@ -326,7 +327,7 @@ REGRESSIONS = sorted((Path(__file__).parent / "regressions").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
-def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path) -> None:
+def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path, monkeypatch) -> None:
     """Programs campaigns found cagrad wrong on, as shrunk, kept with the
     number of neighbours that showed it; each must now agree with eager,
     alone and with its neighbours after it in one cache.
@@ -342,7 +343,20 @@ def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path) -
       unpacked them through checkpoint's hook, and the backward after the
       miss raised "Unpack is being triggered for a tensor that was already
       unpacked once" where eager runs.
+    * ``lifetime-*``: campaigns with the lifetimes oracle on (seeds 61, 62
+      and 64, torch 2.13), each run so here too (harness/lifetimes.py):
+      ``trace-shape-env-frames`` (its neighbour at another shape: a trace
+      that raised kept the frames its ShapeEnv was asked from, and their
+      locals the backward's tensors, for as long as the graph was cached),
+      ``checkpoint-claim-cycle`` (a failed slot claim kept its error's
+      traceback: every frame of the stack in a reference cycle),
+      ``interpreter-cycle`` (a node pre-hook on a custom Function: the
+      interpreter's hook callback referred to the interpreter), and
+      ``dtensor-neighbour`` (no fault of cagrad's: the neighbour's eager
+      reference was the first DTensor build of the process, whose device
+      mesh shifted the op labels; references now run twice).
     """
+    monkeypatch.setenv(lifetimes.ENV, "1")
     program = Program.from_json(path.read_text())
     verdict = Oracle(["cagrad[eager]", "cagrad[aot_eager]"], devices=["cpu"], neighbours=2).run(program)
     assert verdict.ok, verdict.report.summary()
