@@ -7,14 +7,14 @@ without keeping it alive.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import cagrad
+from fuzz.functions import DetachSecond
+from harness.lifetimes import collector_paused
 
 
 def _graph_with_saved_activation():
@@ -404,9 +404,7 @@ def test_a_dynamic_capture_keeps_no_tensor_of_its_program(backend):
     by harness.lifetimes; aot_eager only). Eager frees them with the
     program: here, with Python's cyclic collector off."""
     refs = []
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         for rows in (4, 5, 6):
             x, w = _leaves_of_a_program(rows)
             refs.append((StorageWeakRef(x.untyped_storage()), StorageWeakRef(w.untyped_storage())))
@@ -414,20 +412,7 @@ def test_a_dynamic_capture_keeps_no_tensor_of_its_program(backend):
                 (x @ w).sin().sum().backward()
             del x, w
             assert all(r.expired() for pair in refs for r in pair), f"a program's leaves outlived it at {rows} rows"
-    finally:
-        if was:
-            gc.enable()
     assert cagrad.counters["captures"] == 2  # static, then symbolic
-
-
-class _DetachSecond(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, y):
-        return 2 * x + torch.sign(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return 2 * grad, None
 
 
 def test_a_resumed_backward_leaves_no_reference_cycle():
@@ -436,12 +421,10 @@ def test_a_resumed_backward_leaves_no_reference_cycle():
     interpreter, which holds the runtime objects (the leaves among them), a
     cycle only Python's cyclic collector freed (found by harness.lifetimes).
     Eager frees the leaves when the program drops them."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         x = torch.rand(2, dtype=torch.float64, requires_grad=True)
         y = torch.rand((), dtype=torch.float64, requires_grad=True)
-        out = _DetachSecond.apply(x, y)
+        out = DetachSecond.apply(x, y)
         seen = []
         out.grad_fn.register_prehook(lambda grads: seen.append(len(grads)))
         refs = [StorageWeakRef(x.untyped_storage()), StorageWeakRef(y.untyped_storage())]
@@ -450,9 +433,6 @@ def test_a_resumed_backward_leaves_no_reference_cycle():
         del x, y, out
         assert seen == [1]
         assert all(r.expired() for r in refs), "the leaves are held in a reference cycle"
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_a_checkpointed_backward_leaves_no_reference_cycle():
@@ -462,9 +442,7 @@ def test_a_checkpointed_backward_leaves_no_reference_cycle():
     leaf in their locals): a cycle only Python's cyclic collector freed
     (found by harness.lifetimes). Eager frees them when the program drops
     them."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         x = torch.rand(3, 4, 4, 2, requires_grad=True)
         out = torch.utils.checkpoint.checkpoint(lambda t: torch.logsumexp(t, [0], keepdim=True), x, use_reentrant=False)
         loss = out.sum()
@@ -474,6 +452,3 @@ def test_a_checkpointed_backward_leaves_no_reference_cycle():
         assert x.grad is not None
         del x, out, loss
         assert all(r.expired() for r in refs), "the leaf or the loss is held in a reference cycle"
-    finally:
-        if was:
-            gc.enable()
