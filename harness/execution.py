@@ -197,7 +197,8 @@ def _step(
         values = _build_and_run(out, subject, program, device, seed, probe_sizes, storages)
         # the program lets go of everything it built (values holds copies)
         released, leaked = lifetimes.after_release(storages)
-    values.lifetimes = Lifetimes(values.lifetimes.after_backward, released, leaked)  # type: ignore[union-attr]
+    assert values.lifetimes is not None  # _build_and_run recorded after_backward
+    values.lifetimes = dataclasses.replace(values.lifetimes, after_release=released, leaked=leaked)
     return values
 
 

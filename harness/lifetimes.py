@@ -122,7 +122,7 @@ class ForwardStorages(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._refs: list[tuple[str, weakref.ref]] = []
-        self._known: dict[int, weakref.ref] = {}
+        self._known: weakref.WeakSet = weakref.WeakSet()  # storages compare by identity
         self._calls = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -136,15 +136,10 @@ class ForwardStorages(TorchDispatchMode):
         return out
 
     def _note(self, label: str, storage: Any) -> None:
-        known = self._known.get(id(storage))
-        if known is not None and known() is storage:
+        if storage in self._known:
             return
-        try:
-            ref = weakref.ref(storage)
-        except TypeError:
-            return
-        self._known[id(storage)] = ref
-        self._refs.append((label, ref))
+        self._known.add(storage)
+        self._refs.append((label, weakref.ref(storage)))
 
     def alive(self) -> tuple[str, ...]:
         """The labels of the noted storages still alive, in creation order."""
@@ -211,10 +206,11 @@ def compare_lifetimes(expected: Lifetimes | None, actual: Lifetimes | None, at: 
         return []
     for field, point in _POINTS:
         want, got = getattr(expected, field), getattr(actual, field)
-        extra = [x for x in got if x not in set(want)]
+        want_set, got_set = set(want), set(got)
+        extra = [x for x in got if x not in want_set]
         if extra:
             return [Mismatch(f"{at}lifetime", f"forward storages alive {point} where eager freed them: {_listed(extra)}")]
-        early = [x for x in want if x not in set(got)] if field == "after_backward" else []
+        early = [x for x in want if x not in got_set] if field == "after_backward" else []
         if early:
             return [Mismatch(f"{at}lifetime", f"forward storages freed {point} where eager kept them alive: {_listed(early)}")]
     return []
