@@ -145,9 +145,11 @@ def accumulate_grad(
         variable: a leaf tensor that requires grad (strided).
         grad: its gradient: same shape, dtype and device as ``variable``
             (``validate_outputs`` made it so); strided or sparse COO.
-        stealable: True when no other tensor shares ``grad``'s storage, so a
-            dense ``grad`` may become ``.grad`` without a copy (a sparse one
-            never does, as in eager).
+        stealable: True when nothing else holds ``grad`` or shares its
+            elements (:func:`stealable_outputs`), so a dense ``grad`` may
+            become ``.grad`` without a copy (a sparse one never does, as in
+            eager; a view is detached first, as eager's ``.grad`` is never
+            one).
         create_graph: whether the backward builds a graph of its own
             (:func:`cagrad.autograd.run_context.create_graph`, read here if None).
             A caller that passes False and calls this for many leaves may
@@ -187,7 +189,8 @@ def _accumulate_no_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: b
         if grad.is_sparse:
             variable.grad = _sparse_copy(grad)
         elif stealable and obeys_layout_contract(grad, variable):
-            variable.grad = grad
+            # eager's .grad is never a view (it takes ``grad.detach()``)
+            variable.grad = grad.detach() if grad._is_view() else grad
         else:
             variable.grad = clone_obey_contract(grad, variable)
     elif old.is_sparse and not grad.is_sparse:
@@ -196,34 +199,54 @@ def _accumulate_no_grad(variable: torch.Tensor, grad: torch.Tensor, stealable: b
         old.add_(grad)
 
 
-def stealable_outputs(outs: list[torch.Tensor], aliases_input: list[bool]) -> list[bool]:
+def stealable_outputs(outs: list[torch.Tensor], returns_input: list[bool]) -> list[bool]:
     """Which of a graph's outputs may become a ``.grad`` without a copy.
 
-    Output ``i`` may unless ``aliases_input[i]`` (the trace found it is a
-    view of a graph input) or an earlier output has the same storage data
-    pointer: a backend may hand back one buffer for two outputs (e.g. after
-    CSE), and only one of them may become a ``.grad`` uncopied. One C++ call
-    where the extension is built.
+    Eager's ``AccumulateGrad`` takes a gradient uncopied when nothing else
+    holds it (torch/csrc/autograd/functions/accumulate_grad.h). Here output
+    ``i`` may unless ``returns_input[i]`` (the trace found it is a graph
+    input itself, which its caller holds) or its memory overlaps an earlier
+    output that may: a backend may hand back one buffer for two outputs
+    (e.g. after CSE), and two ``.grad`` tensors must not share elements.
+    Disjoint views of one buffer may both (eager takes each of the views
+    ``CatBackward`` makes of its gradient). One C++ call where the extension
+    is built.
 
     Args:
-        outs: the graph's outputs (tensors), as a list.
-        aliases_input: one bool per output.
+        outs: the graph's outputs (dense tensors), as a list.
+        returns_input: one bool per output.
+
+    Returns:
+        One bool per output.
     """
     fast = _native_fns()
     if fast is not None:
-        return fast[1](outs, aliases_input)
-    return _stealable_outputs(outs, aliases_input)
+        return fast[1](outs, returns_input)
+    return _stealable_outputs(outs, returns_input)
 
 
-def _stealable_outputs(outs: list[torch.Tensor], aliases_input: list[bool]) -> list[bool]:
-    stealable = [not a for a in aliases_input]
-    seen: set[int] = set()
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)``: the bytes of its storage ``t`` can reach
+    (empty for a tensor without elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+
+def _stealable_outputs(outs: list[torch.Tensor], returns_input: list[bool]) -> list[bool]:
+    stealable = [not a for a in returns_input]
+    taken: dict[int, list[tuple[int, int]]] = {}
     for i, out in enumerate(outs):
         ptr = out.untyped_storage().data_ptr()
-        if ptr:
-            if ptr in seen:
-                stealable[i] = False
-            seen.add(ptr)
+        first, end = _byte_span(out)
+        if not ptr or first == end or not stealable[i]:
+            continue
+        spans = taken.setdefault(ptr, [])
+        if any(first < e and f < end for f, e in spans):
+            stealable[i] = False
+        else:
+            spans.append((first, end))
     return stealable
 
 
@@ -322,8 +345,8 @@ def _self_test(accumulate: Any, stealable: Any) -> None:
             same = same and ga.stride() == gb.stride() and (ga is a[1]) == (gb is b[1])
         if not same:
             raise RuntimeError(f"accumulate() case {i}: .grad {ga} differs from Python's {gb}")
-    a = torch.ones(4)
-    outs = [a, torch.ones(3), a[1:], torch.ones(2), torch.empty(0), torch.empty(0)]
-    aliases = [False, False, False, True, False, False]
-    if stealable(outs, aliases) != _stealable_outputs(outs, aliases):
-        raise RuntimeError(f"stealable() returned {stealable(outs, aliases)}, Python {_stealable_outputs(outs, aliases)}")
+    a, b = torch.ones(4), torch.ones(6, 2)
+    outs = [a, torch.ones(3), a[1:], torch.ones(2), torch.empty(0), torch.empty(0), b[:2], b, b[3:], b[2:3, 1]]
+    inputs = [False, False, False, True, False, False, False, True, False, False]
+    if stealable(outs, inputs) != _stealable_outputs(outs, inputs):
+        raise RuntimeError(f"stealable() returned {stealable(outs, inputs)}, Python {_stealable_outputs(outs, inputs)}")

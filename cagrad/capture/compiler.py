@@ -60,7 +60,7 @@ from ..keys import subclasses
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
 from . import shape_env
-from .graph_checks import aliases_input, check_no_opaque_calls, check_subclass_capture, holds_nested_int, prune
+from .graph_checks import returns_input, check_no_opaque_calls, check_subclass_capture, holds_nested_int, prune
 from .layouts import Spec
 from .node_apply import NodeApplication
 from .opaque_calls import OpaqueCalls
@@ -393,7 +393,7 @@ class AutogradCompilerInstance(NodeApplication, OpaqueCalls):
             used_inputs,
             leaf_outputs,
             capture_outputs,
-            aliases_input(outputs, fakes),
+            returns_input(outputs, fakes),
             self.accumulate_at_end,
             check,
             size_inputs,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import internals
 from ..autograd import run_context
@@ -50,9 +49,20 @@ def prune(graph: torch.fx.Graph, placeholder: str) -> list[int]:
     return used
 
 
-def aliases_input(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[bool]:
-    storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
-    return [StorageWeakRef(o.untyped_storage()) in storages for o in outputs]
+def returns_input(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[bool]:
+    """Per traced output, whether it is one of the graph's inputs itself.
+
+    Eager's ``AccumulateGrad`` takes a gradient as ``.grad`` uncopied when
+    nothing else holds that tensor (torch/csrc/autograd/functions/
+    accumulate_grad.h: its use count): an input of the backward (a
+    ``grad_tensors`` tensor the caller holds, a saved tensor) passed through
+    unchanged is copied, while a view the backward made of one (``CatBackward``
+    narrows its gradient) is a tensor of its own and is taken, so the leaf's
+    ``.grad`` shares the caller's memory. The trace keeps that distinction by
+    identity: a view op gives a new fake.
+    """
+    ids = {id(t) for t in inputs}
+    return [id(o) in ids for o in outputs]
 
 
 def holds_nested_int(t: torch.Tensor) -> bool:

@@ -192,19 +192,21 @@ def accumulate(variable: torch.Tensor, grad: Grad, post_hooks: Mapping | None, s
         post_accumulate_grad_hooks(post_hooks, variable)
 
 
-def accumulate_handed(args: list) -> None:
+def accumulate_handed(args: list, overlapping: set[int] | None = None) -> None:
     """:func:`accumulate` on ``args`` (``[variable, grad, post_hooks]``),
     which the caller hands over with the last reference it held to the
     gradient: the list is emptied. As eager's AccumulateGrad adopts a
     gradient that no one else holds (its ``use_count``), the gradient then
     becomes ``.grad`` without a copy where the C++ extension finds that
     nothing else holds it (:func:`cagrad.native.sole_fn`: a hook that kept
-    it, a view or a second output over its memory make it a copy)."""
+    it or a view of it make it a copy) and its ``id`` is not in
+    ``overlapping`` (a compiled segment's output over memory another output
+    of it has, which eager would have made apart)."""
     variable, post_hooks = args[0], args[2]
     box = [args[1]]
     args.clear()
     sole = native.sole_fn()
-    stealable = sole is not None and sole(box)
+    stealable = sole is not None and sole(box) and (overlapping is None or id(box[0]) not in overlapping)
     accumulate(variable, box.pop(), post_hooks, stealable)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..autograd.accumulate import dense_strides
+from ..autograd.accumulate import dense_strides, stealable_outputs
 from ..autograd.walk import MUST_BE_NONE, Phase
 from ..counters import counters
 from . import leaf_hook_groups, runtime_ops
@@ -609,6 +609,10 @@ def run(
         env[name] = objects[i]
     if hand_over:
         inputs.clear()  # type: ignore[attr-defined]
+    # ids of compiled segments' outputs over memory that an earlier output of
+    # their segment has (a backend may write two results into one buffer
+    # where eager made two tensors): never adopted as a .grad uncopied
+    overlapping: set[int] | None = set() if any(getattr(s, "hands_grad", False) for s in sg.steps) else None
     for step in sg.steps:
         if isinstance(step, Segment):
             if before_step is not None:
@@ -633,6 +637,8 @@ def run(
                 # a boxed fn may have emptied args
                 outs = step.fn([env[n] for n in step.in_names], sizes, [], [], [])
             step.calls += 1
+            if overlapping is not None:
+                _note_overlapping(outs, overlapping)
             env.update(zip(step.out_names, outs))
             del args, outs
             _release(env, step.release)
@@ -646,7 +652,7 @@ def run(
         args = _materialize(step.args, env)
         _release(env, step.drop_before)
         if step.hands_grad:
-            result = runtime_ops.accumulate_handed(args)
+            result = runtime_ops.accumulate_handed(args, overlapping)
         else:
             result = step.node.target(*args)
         try:
@@ -662,6 +668,13 @@ def run(
         del args, result
         _release(env, step.release)
     return [None if n is None else env[n] for n in sg.output]
+
+
+def _note_overlapping(outs: Sequence[Any], into: set[int]) -> None:
+    tensors = [t for t in outs if type(t) is torch.Tensor]
+    for t, ok in zip(tensors, stealable_outputs(tensors, [False] * len(tensors))):
+        if not ok:
+            into.add(id(t))
 
 
 def _release(env: dict[str, Any], names: Sequence[str]) -> None:

@@ -60,8 +60,10 @@ class Traced:
             of every leaf gradient accumulated after the graph.
         capture_outputs: per ``autograd.grad`` input, its graph output index
             or None (no gradient reaches it).
-        aliases_input: per graph output, whether it shares storage with a
-            graph input (then it must be copied before it becomes ``.grad``).
+        returns_input: per graph output, whether it is a graph input itself
+            (then it is copied before it becomes ``.grad``, as eager copies
+            a gradient something else holds; a view of an input is not:
+            :func:`cagrad.capture.graph_checks.returns_input`).
         accumulate_at_end: leaves are accumulated after the graph (no opaque
             call could observe ``.grad`` during it).
         check: which size slot values this graph accepts.
@@ -82,7 +84,7 @@ class Traced:
             :class:`~cagrad.keys.subclasses.SubclassSpec` of a tensor
             subclass the graph returns as its inner tensors, or None: the
             runtime rebuilds the subclass before anything reads the outputs
-            (:func:`cagrad.keys.subclasses.rebuild`), and ``aliases_input``
+            (:func:`cagrad.keys.subclasses.rebuild`), and ``returns_input``
             is per graph output (flat).
         retain_outputs: ``(runtime object index of the weakref to a tensor
             that retains its gradient, graph output index)`` of each
@@ -94,7 +96,7 @@ class Traced:
     input_indices: list[int]
     leaf_outputs: list[tuple[int, int]]
     capture_outputs: list[int | None]
-    aliases_input: list[bool]
+    returns_input: list[bool]
     accumulate_at_end: bool
     check: SizeCheck
     size_inputs: list[Any]

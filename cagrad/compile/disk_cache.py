@@ -19,7 +19,7 @@ the trace created them (each recreated from its source name, so it gets the
 same name, and with sympy's ``positive`` assumption or without it, as the
 trace made it: :func:`cagrad.capture.shape_env.create_symbol`), the :class:`~cagrad.keys.sizes.SizeCheck` as data, the size inputs as
 expressions, and the input/output plan (``input_indices``,
-``leaf_outputs``, ``capture_outputs``, ``aliases_input``). It is taken right
+``leaf_outputs``, ``capture_outputs``, ``returns_input``). It is taken right
 after the trace, before the backend adds its guards (the backend adds them
 again when it compiles the rebuilt graph, from its own cache or not), and
 written once the compile succeeded.

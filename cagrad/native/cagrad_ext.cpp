@@ -1038,7 +1038,7 @@ static int accumulate_one(PyObject* var_obj, PyObject* grad_obj, bool stealable,
   at::Tensor& old = variable.mutable_grad();
   if (!old.defined()) {
     if (stealable && torch::autograd::utils::obeys_layout_contract(grad, variable)) {
-      old = grad;
+      old = grad.is_view() ? grad.detach() : grad;  // eager's .grad is never a view
     } else {
       old = variable.is_non_overlapping_and_dense()
                 ? at::empty_strided(variable.sizes(), variable.strides(), grad.options())
@@ -1138,14 +1138,16 @@ static PyObject* accumulate(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   return left;
 }
 
-// stealable(outs, aliases) -> list[bool]: for each tensor of `outs` (a
-// list), whether it may become a .grad without a copy: aliases[i] (a list of
-// bools, one per output) is False and no earlier output has the same storage
-// data pointer (a backend may hand back one buffer for two outputs).
+// stealable(outs, inputs) -> list[bool]: for each tensor of `outs` (a
+// list), whether it may become a .grad without a copy: inputs[i] (a list of
+// bools, one per output: the output is a graph input itself) is False and its
+// bytes overlap no earlier output that may (a backend may hand back one
+// buffer for two outputs; disjoint views of one buffer may all).
+// cagrad.autograd.accumulate._stealable_outputs is the same rule in Python.
 static PyObject* stealable(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
       PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "stealable(outs: list, aliases: list), one length");
+    PyErr_SetString(PyExc_TypeError, "stealable(outs: list, inputs: list), one length");
     return nullptr;
   }
   Py_ssize_t n = PyList_GET_SIZE(args[0]);
@@ -1153,8 +1155,13 @@ static PyObject* stealable(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (result == nullptr) {
     return nullptr;
   }
-  std::vector<const void*> seen;
-  seen.reserve(static_cast<size_t>(n));
+  struct Span {
+    const void* storage;
+    int64_t first;
+    int64_t end;
+  };
+  std::vector<Span> taken;
+  taken.reserve(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* out = PyList_GET_ITEM(args[0], i);
     if (!is_tensor_type(reinterpret_cast<PyObject*>(Py_TYPE(out)))) {
@@ -1162,29 +1169,38 @@ static PyObject* stealable(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       PyErr_Format(PyExc_TypeError, "stealable(): output %zd is not a tensor", i);
       return nullptr;
     }
-    int aliases = PyObject_IsTrue(PyList_GET_ITEM(args[1], i));
-    if (aliases < 0) {
+    int is_input = PyObject_IsTrue(PyList_GET_ITEM(args[1], i));
+    if (is_input < 0) {
       Py_DECREF(result);
       return nullptr;
     }
-    bool ok = !aliases;
+    bool ok = !is_input;
     const at::Tensor& t = tensor_of(out);
-    const void* ptr = nullptr;
     try {
-      ptr = t.defined() && t.has_storage() ? t.storage().data() : nullptr;
+      const void* ptr = t.defined() && t.has_storage() ? t.storage().data() : nullptr;
+      if (ok && ptr != nullptr && t.numel() != 0) {
+        int64_t last = t.storage_offset();
+        auto sizes = t.sizes();
+        auto strides = t.strides();
+        for (size_t d = 0; d < sizes.size(); ++d) {
+          last += (sizes[d] - 1) * strides[d];
+        }
+        int64_t item = static_cast<int64_t>(t.itemsize());
+        Span span{ptr, t.storage_offset() * item, (last + 1) * item};
+        for (const Span& s : taken) {
+          if (s.storage == ptr && span.first < s.end && s.first < span.end) {
+            ok = false;
+            break;
+          }
+        }
+        if (ok) {
+          taken.push_back(span);
+        }
+      }
     } catch (const std::exception& e) {
       Py_DECREF(result);
       PyErr_SetString(PyExc_RuntimeError, e.what());
       return nullptr;
-    }
-    if (ptr != nullptr) {
-      for (const void* p : seen) {
-        if (p == ptr) {
-          ok = false;
-          break;
-        }
-      }
-      seen.push_back(ptr);
     }
     PyObject* b = ok ? Py_True : Py_False;
     Py_INCREF(b);
@@ -1269,14 +1285,16 @@ static PyObject* reclaim(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // sole(box: list) -> bool: whether box[0], a tensor, is held by nothing but
-// the list: one Python reference (the list's), one reference to its
-// TensorImpl (its Python object's), and its memory held by it alone, or by it
-// and the base it is a view of (a transposed mm result). Such a gradient may
-// become a leaf's .grad without a copy, as eager's AccumulateGrad adopts a
-// gradient whose use_count shows that no one else holds it (accumulateGrad
-// in torch/csrc/autograd/functions/accumulate_grad.h, which adopts views as
-// well). Stricter here: a gradient whose memory a third tensor shares (two
-// outputs of a compiled segment over one buffer) is copied.
+// the list: one Python reference (the list's) and one reference to its
+// TensorImpl (its Python object's; a view of it holds another, through its
+// view metadata). Such a gradient may become a leaf's .grad without a copy,
+// as eager's AccumulateGrad adopts a gradient whose use_count shows that no
+// one else holds it (accumulateGrad in
+// torch/csrc/autograd/functions/accumulate_grad.h): a view of other memory
+// and a tensor whose memory a detached alias shares are adopted too, as
+// eager adopts them. Outputs of a compiled segment over one buffer, which
+// eager would have made apart, are the caller's to exclude
+// (cagrad.capture.segments).
 static PyObject* sole(PyObject*, PyObject* box) {
   if (!PyList_Check(box) || PyList_GET_SIZE(box) != 1) {
     PyErr_SetString(PyExc_TypeError, "sole(box): a list of one item");
@@ -1288,11 +1306,6 @@ static PyObject* sole(PyObject*, PyObject* box) {
   }
   const at::Tensor& t = tensor_of(obj);
   if (!t.defined() || t.use_count() != 1 || !t.has_storage()) {
-    Py_RETURN_FALSE;
-  }
-  // a view's base holds the memory too (its view metadata holds the base);
-  // a third holder is another live tensor over it
-  if (t.storage().use_count() != (t.is_view() ? 2u : 1u)) {
     Py_RETURN_FALSE;
   }
   Py_RETURN_TRUE;

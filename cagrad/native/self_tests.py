@@ -292,24 +292,26 @@ def reclaim(reclaim: Any) -> None:
 
 
 def sole(sole: Any) -> None:
-    """A fresh tensor only the list holds is sole, and so is a view that
-    shares its memory with its base alone; one with another Python
-    reference, or memory a third tensor shares, is not."""
+    """As eager's ``AccumulateGrad`` counts holders (its use count): a
+    tensor only the list holds is sole, a view of other memory too, and so
+    is a tensor whose memory a detached alias shares; one with another
+    Python reference, or a view of it (which holds it), is not."""
     if not sole([torch.arange(6.0)]):
         raise RuntimeError("sole() refused a tensor only the list holds")
     kept = torch.arange(6.0)
     if sole([kept]):
         raise RuntimeError("sole() accepted a tensor a local variable holds")
-    base = torch.arange(6.0)
-    view = base[2:]
-    if sole([base[:2]]) or sole([view.detach()]):
-        raise RuntimeError("sole() accepted a tensor whose memory a view shares")
     if sole([1.0]):
         raise RuntimeError("sole() accepted an item that is not a tensor")
-    if not sole([torch.arange(6.0).reshape(2, 3).t()]):
-        raise RuntimeError("sole() refused a view that alone shares its base's memory")
-    matrix = torch.arange(6.0).reshape(2, 3)
-    row = matrix[0]
-    if sole([matrix.t()]):
-        raise RuntimeError("sole() accepted a view whose memory another view shares")
-    del row
+    base = torch.arange(6.0)
+    if not sole([base[:2]]) or not sole([torch.arange(6.0).reshape(2, 3).t()]):
+        raise RuntimeError("sole() refused a view only the list holds")
+    alias = kept.detach()
+    box = [kept]
+    del kept
+    if not sole(box):
+        raise RuntimeError("sole() refused a tensor whose memory only a detached alias shares")
+    view = box[0][1:]
+    if sole(box):
+        raise RuntimeError("sole() accepted a tensor a view of it holds")
+    del alias, view

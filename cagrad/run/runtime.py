@@ -93,7 +93,7 @@ def finish_whole(
         never = [False] * len(outs)
         accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), never)
         return [None if i is None else outs[i].clone() for i in traced.capture_outputs]
-    stealable = stealable_outputs(outs, traced.aliases_input)
+    stealable = stealable_outputs(outs, traced.returns_input)
     if traced.output_specs is None:
         accumulate_all(((order[pos].variable, outs[i], i) for pos, i in traced.leaf_outputs), stealable)
         return [None if i is None else outs[i] for i in traced.capture_outputs]

@@ -60,7 +60,7 @@ def _entry():
     # one leaf gradient (graph output 0, the leaf at order position 0) and
     # one autograd.grad result (output 1); neither output aliases an input
     traced = SimpleNamespace(
-        leaf_outputs=[(0, 0)], capture_outputs=[1, None], aliases_input=[False, False], output_specs=None, retain_outputs=[]
+        leaf_outputs=[(0, 0)], capture_outputs=[1, None], returns_input=[False, False], output_specs=None, retain_outputs=[]
     )
     return SimpleNamespace(traced=traced)
 

@@ -351,7 +351,11 @@ def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path, m
       ``checkpoint-claim-cycle`` (a failed slot claim kept its error's
       traceback: every frame of the stack in a reference cycle),
       ``interpreter-cycle`` (a node pre-hook on a custom Function: the
-      interpreter's hook callback referred to the interpreter), and
+      interpreter's hook callback referred to the interpreter),
+      ``segmented-grad-view`` (seed 62 again, this stop: ``cat`` of two
+      leaves under ``grad_tensors`` beside a post-accumulate hook, a
+      segmented run: eager adopts each leaf's view of ``grad_tensors`` as
+      ``.grad``, keeping that tensor alive; cagrad copied them), and
       ``dtensor-neighbour`` (no fault of cagrad's: the neighbour's eager
       reference was the first DTensor build of the process, whose device
       mesh shifted the op labels; references now run twice).
