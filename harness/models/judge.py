@@ -1,8 +1,9 @@
 """The compare layer: one subject's :class:`RowRun` against eager's, step by
 step: recorded values under the per-dtype tolerance policy
 (:func:`harness.stacks.judge.compare_results`, which applies
-:mod:`harness.tolerance`), and the global state field by field
-(:meth:`harness.global_state.GlobalState.diff`)."""
+:mod:`harness.tolerance`), the global state field by field
+(:meth:`harness.global_state.GlobalState.diff`), and the forwards' tensors
+the run leaves alive (:func:`harness.lifetimes.compare_lifetimes`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from harness.models.outcome import RowOutcome, RowStatus
 from harness.models.row import ModelRow
 from harness.models.train import RowRun
+from harness.lifetimes import compare_lifetimes
 from harness.outcome import Mismatch
 from harness.stacks.judge import compare_results
 from harness.subjects import Subject
@@ -21,7 +23,9 @@ from harness.tolerance import TolerancePolicy, tolerance_for
 _STEP = re.compile(r"^step(\d+)\.")
 
 
-def _step(m: Mismatch) -> int:
+def _step(m: Mismatch) -> float:
+    if m.where.startswith("end."):
+        return float("inf")  # what the run left once it dropped everything
     match = _STEP.match(m.where)
     return int(match.group(1)) if match else -1
 
@@ -33,6 +37,19 @@ def state_mismatches(expected: RowRun, actual: RowRun) -> list[Mismatch]:
     for step, (e, a) in enumerate(zip(expected.states, actual.states)):
         for d in e.diff(a):
             out.append(Mismatch(f"step{step}.state.{d.field}", f"eager left {d.expected!r}, the subject {d.actual!r}"))
+    return out
+
+
+def lifetime_mismatches(subject: Subject, expected: RowRun, actual: RowRun) -> list[Mismatch]:
+    """:func:`harness.lifetimes.compare_lifetimes` after each backward and
+    at the end, named ``step<i>.lifetime`` (``end.lifetime``); none for a
+    peer (torch's compiled autograd keeps its last graph's inputs alive,
+    :mod:`harness.lifetimes`)."""
+    if subject.peer:
+        return []
+    out = []
+    for (where, e), (_, a) in zip(expected.lifetimes, actual.lifetimes):
+        out += compare_lifetimes(e, a, at=f"{where}.")
     return out
 
 
@@ -69,7 +86,7 @@ def judge(
     values = compare_results(
         reference.results, got.results, subject.backend, device.type, policy, compute_dtype=row.compute_dtype
     )
-    mismatches = values + state_mismatches(reference, got)
+    mismatches = values + state_mismatches(reference, got) + lifetime_mismatches(subject, reference, got)
     outcome.mismatches = sorted(mismatches, key=_step)  # stable: values first within a step
     if outcome.mismatches:
         outcome.status = RowStatus.MISMATCH

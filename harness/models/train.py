@@ -25,6 +25,14 @@ loss, ``.grad``, its strides and ``grad_kept`` after each backward).
 and :func:`harness.global_state.capture` after each step (RNG streams, grad
 mode, dtype, flags, Dynamo/inductor config).
 
+It also records which tensors of the model's forwards the run leaves
+alive (:mod:`harness.lifetimes`: a ``ForwardStorages`` mode around each
+forward, Python's cyclic collector paused over the training loop): after
+each backward (the saved activations a backward frees in eager, before
+the optimizer step runs), and once the run dropped the model, its
+optimizer and everything it built (a cache that keeps a forward's tensors
+past the model that made them), in :attr:`RowRun.lifetimes`.
+
 For a cagrad subject it also reads what cagrad did: its counters' deltas
 (``captures``, ``cache_hits``, ``fallbacks``, ``deopts``, ...), the
 fallback reasons, the reasons of nodes forced to run opaque
@@ -46,6 +54,7 @@ import torch
 
 from harness.devices import seeded, synchronize
 from harness.global_state import GlobalState, capture
+from harness.lifetimes import ForwardStorages, Lifetimes, after_release, collector_paused
 from harness.models.row import ModelRow, Setup
 from harness.outcome import ErrorInfo
 from harness.subjects import CagradSubject, Subject, counter_deltas
@@ -79,6 +88,10 @@ class RowRun:
             of that type the captured graphs make as they are, at run time,
             instead of tracing them (summed over the run's captures).
         seconds: wall time of the run (information only).
+        lifetimes: ``(where, Lifetimes)``: the forwards' storages alive
+            after each backward (``where`` as the results' prefix,
+            ``step0`` or ``step0.1``), then ``("end", ...)`` once the run
+            dropped everything it built (empty when the run raised).
     """
 
     results: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -89,6 +102,7 @@ class RowRun:
     forced_opaque: dict[str, int] = dataclasses.field(default_factory=dict)
     opaque_nodes: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    lifetimes: list[tuple[str, Lifetimes]] = dataclasses.field(default_factory=list)
 
 
 def _strides(t: torch.Tensor | None) -> tuple | None:
@@ -143,15 +157,24 @@ def _check_dtype(row: ModelRow, params: list[tuple[str, torch.nn.Parameter]]) ->
 
 
 def _backward(
-    setup: Setup, subject: Subject, params: list[tuple[str, torch.nn.Parameter]], results: dict[str, Any], where: str
+    setup: Setup,
+    subject: Subject,
+    params: list[tuple[str, torch.nn.Parameter]],
+    out: RowRun,
+    where: str,
+    storages: ForwardStorages,
 ) -> None:
-    """One forward, and its backward inside ``subject``; records the loss
-    and every parameter's ``.grad``, strides and ``grad_kept`` under
-    ``where``."""
-    loss = setup.loss()
+    """One forward (inside ``storages``), and its backward inside
+    ``subject``; records the loss and every parameter's ``.grad``, strides
+    and ``grad_kept`` under ``where``, and the forwards' storages alive
+    right after the backward."""
+    results = out.results
+    with storages:
+        loss = setup.loss()
     found = [p.grad for _, p in params]
     with subject.active():
         loss.backward()
+    out.lifetimes.append((where, Lifetimes(after_backward=storages.alive())))
     _record(results, f"{where}.loss", loss)
     for name, p in params:
         _record(results, f"{where}.grad.{name}", p.grad)
@@ -159,6 +182,24 @@ def _backward(
         _record(results, f"{where}.grad_strides.{name}", _strides(p.grad))
     for (name, p), old in zip(params, found):
         _record(results, f"{where}.grad_kept.{name}", None if old is None else p.grad is old)
+
+
+def _steps(row: ModelRow, subject: Subject, device: torch.device, out: RowRun, storages: ForwardStorages) -> None:
+    """Builds the row and runs its steps; everything it built is dropped
+    when it returns (the model, the optimizer, the batches)."""
+    setup = row.build(device)
+    params = list(setup.model.named_parameters())
+    _check_dtype(row, params)
+    for step in range(row.steps):
+        setup.optimizer.zero_grad(set_to_none=row.set_to_none)
+        for micro in range(row.micro_batches):
+            where = f"step{step}" if row.micro_batches == 1 else f"step{step}.{micro}"
+            _backward(setup, subject, params, out, where, storages)
+        setup.optimizer.step()
+        for name, p in params:
+            _record(out.results, f"step{step}.param.{name}", p)
+        synchronize(device)
+        out.states.append(capture())
 
 
 def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) -> RowRun:
@@ -174,20 +215,11 @@ def train(row: ModelRow, subject: Subject, device: torch.device, seed: int = 0) 
     try:
         subject.reset()
         before, forced_before = subject.counters(), _forced_opaque(subject)
-        with seeded(device, seed), _opaque_census(subject, census):
-            setup = row.build(device)
-            params = list(setup.model.named_parameters())
-            _check_dtype(row, params)
-            for step in range(row.steps):
-                setup.optimizer.zero_grad(set_to_none=row.set_to_none)
-                for micro in range(row.micro_batches):
-                    where = f"step{step}" if row.micro_batches == 1 else f"step{step}.{micro}"
-                    _backward(setup, subject, params, out.results, where)
-                setup.optimizer.step()
-                for name, p in params:
-                    _record(out.results, f"step{step}.param.{name}", p)
-                synchronize(device)
-                out.states.append(capture())
+        storages = ForwardStorages()
+        with seeded(device, seed), _opaque_census(subject, census), collector_paused():
+            _steps(row, subject, device, out, storages)
+            held, leaked = after_release(storages)
+            out.lifetimes.append(("end", Lifetimes(after_release=held, leaked=leaked)))
     except Exception as exc:  # noqa: BLE001 - reported, judged against eager's
         out.error = ErrorInfo.from_exception(exc)
     finally:

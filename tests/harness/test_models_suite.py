@@ -207,6 +207,61 @@ def test_judge_sees_accumulation_into_another_tensor(after, where: str) -> None:
     assert o.mismatches[0].where == where, o.describe()
 
 
+_LEAKED: list[torch.Tensor] = []
+
+
+class _PatchedBackward(EagerSubject):
+    """Eager autograd with ``torch.autograd.backward`` wrapped while active:
+    ``retain_graph=True`` forced (the graph's saved tensors outlive the
+    backward, as a runtime holding its own references to them would keep
+    them), or each loss kept in a module list (a cache that outlives the
+    model)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+
+    @contextlib.contextmanager
+    def active(self):
+        real = torch.autograd.backward
+
+        def backward(tensors, grad_tensors=None, retain_graph=None, *args, **kwargs):
+            if self.name == "keeps-saved":
+                retain_graph = True
+            else:
+                _LEAKED.append(tensors)
+            return real(tensors, grad_tensors, retain_graph, *args, **kwargs)
+
+        torch.autograd.backward = backward
+        try:
+            yield
+        finally:
+            torch.autograd.backward = real
+
+
+@pytest.mark.parametrize(
+    ("name", "where", "detail"),
+    [
+        ("keeps-saved", "step0.lifetime", "forward storages alive right after the backward where eager freed them"),
+        # step 0's loss (the mean, the last op of its forward) still alive
+        # after step 1's backward, and every loss after the run
+        ("leaks-loss", "step1.lifetime", "forward storages alive right after the backward where eager freed them: op "),
+    ],
+)
+def test_judge_sees_tensors_left_alive(name: str, where: str, detail: str) -> None:
+    try:
+        o = _only(run_row(registry.get("plain_mlp_dropout"), [_PatchedBackward(name)], torch.device("cpu")))
+    finally:
+        _LEAKED.clear()
+    assert o.status is RowStatus.MISMATCH, o.describe()
+    assert all(m.where.endswith("lifetime") for m in o.mismatches), o.describe()  # values and state agree
+    assert o.mismatches[0].where == where, o.describe()
+    assert o.mismatches[0].detail.startswith(detail), o.mismatches[0].detail
+    if name == "leaks-loss":
+        assert "aten.mean.default" in o.mismatches[0].detail
+        end = o.mismatches[-1]
+        assert end.where == "end.lifetime" and "cyclic collector ran" in end.detail, o.describe()
+
+
 def test_a_row_needs_one_micro_batch_at_least() -> None:
     with pytest.raises(ValueError, match="micro_batches must be at least 1, got 0"):
         registry.row("plain_no_batches", "torch", "test row", micro_batches=0)(mlp_dropout_row)
