@@ -24,61 +24,60 @@ from cagrad.autograd import accumulate
 from cagrad.autograd.accumulate import _stealable_outputs, stealable_outputs
 
 
-def _cat(g):
-    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+def _cat(leaf, g):
+    a, b = leaf(3, 4), leaf(2, 4)
     return [a, b], [torch.cat([a, b])], [g(5, 4)]
 
 
-def _cat_columns(g):
+def _cat_columns(leaf, g):
     # each leaf's view of g is not contiguous: eager copies it
-    a, b = torch.randn(4, 3, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    a, b = leaf(4, 3), leaf(4, 2)
     return [a, b], [torch.cat([a, b], dim=1)], [g(4, 5)]
 
 
-def _clone(g):
-    a = torch.randn(3, 4, requires_grad=True)
+def _clone(leaf, g):
+    a = leaf(3, 4)
     return [a], [a.clone()], [g(3, 4)]
 
 
-def _reshape(g):
+def _reshape(leaf, g):
     # ViewBackward reshapes g: a fresh view, taken
-    a = torch.randn(3, 4, requires_grad=True)
+    a = leaf(3, 4)
     return [a], [a.view(12)], [g(12)]
 
 
-def _same_leaf_twice(g):
+def _same_leaf_twice(leaf, g):
     # two views of g for one leaf are summed first: a fresh tensor
-    a = torch.randn(3, 4, requires_grad=True)
+    a = leaf(3, 4)
     return [a], [torch.cat([a, a])], [g(6, 4)]
 
 
-def _two_roots(g):
+def _two_roots(leaf, g):
     # a's gradient is a view of the first root's g, b's the second's itself
-    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    a, b = leaf(3, 4), leaf(2, 4)
     return [a, b], [torch.cat([a, a.detach()]), b.clone()], [g(6, 4), g(2, 4)]
 
 
-def _one_gradient_for_two_leaves(g):
+def _one_gradient_for_two_leaves(leaf, g):
     # AddBackward hands one tensor to both leaves: at most one takes it
-    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    a, b = leaf(3, 4), leaf(3, 4)
     return [a, b], [(a + b) * 2], [g(3, 4)]
 
 
-def _with_post_accumulate_hook(g):
+def _with_post_accumulate_hook(leaf, g):
     # a hook on a third leaf: a segmented run, whose accumulations adopt a
     # gradient nothing else holds (runtime_ops.accumulate_handed)
-    a, b, c = (torch.randn(3, 4, requires_grad=True), torch.randn(2, 4, requires_grad=True),
-               torch.randn(3, 4, requires_grad=True))
+    a, b, c = leaf(3, 4), leaf(2, 4), leaf(3, 4)
     c.register_post_accumulate_grad_hook(lambda leaf: None)
     return [a, b, c], [torch.cat([a, b]), c], [g(5, 4), g(3, 4)]
 
 
 def _hook_keeps(kind):
-    def program(g):
+    def program(leaf, g):
         # a tensor hook keeps an alias of the leaf's gradient: eager adopts
         # the gradient where the hook kept a detached alias (its memory), not
         # where it kept a view (which holds the gradient itself)
-        a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        a, b = leaf(3, 4), leaf(3, 4)
         kept = []
         a.register_hook(lambda grad: kept.append(grad.detach() if kind == "detached" else grad[:1]) and None)
         return [a, b], [(a * b).sin()], [g(3, 4)]
@@ -99,13 +98,16 @@ PROGRAMS = {
 }
 
 
-def _sharing(program) -> list:
+def _sharing(program, device: str = "cpu") -> list:
     """Per backward (two), per leaf: (index of the grad_tensors tensor whose
     memory ``.grad`` shares, or None; byte offset into it; strides;
     ``_is_view()``; indices of the other leaves whose ``.grad`` shares it)."""
     steps = []
     for _ in range(2):
-        leaves, roots, grads = program(lambda *shape: torch.randn(*shape))
+        leaves, roots, grads = program(
+            lambda *shape: torch.randn(*shape, device=device, requires_grad=True),
+            lambda *shape: torch.randn(*shape, device=device),
+        )
         torch.autograd.backward(roots, grads)
         rows = []
         for i, leaf in enumerate(leaves):
@@ -138,17 +140,21 @@ def test_grad_shares_the_memory_eager_s_shares(monkeypatch, name, backend, path)
     assert cagrad.counters["backwards"] == 2 and cagrad.counters["captures"] == 1, dict(cagrad.counters)
 
 
-def test_inductor_hands_back_views_of_grad_tensors_as_eager_does():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("name", ["cat", "clone", "with_post_accumulate_hook"])
+def test_inductor_hands_back_views_of_grad_tensors_as_eager_does(name, device):
     """Inductor regenerates an output that is a view of an input as a view
     of the tensor passed in (AOTAutograd's output aliasing), so the rule
-    holds for a compiled graph too."""
+    holds for a compiled graph too, on CPU and CUDA."""
     torch.manual_seed(0)
-    expected = _sharing(_cat)
+    expected = _sharing(PROGRAMS[name], device)
     torch.manual_seed(0)
     with cagrad.enable("inductor"):
-        actual = _sharing(_cat)
+        actual = _sharing(PROGRAMS[name], device)
     assert actual == expected
-    assert expected[0][0][0] == 0 and expected[0][1][:2] == (0, 48)  # what the test is about
+    assert cagrad.counters["fallbacks"] == 0, dict(cagrad.counters["fallback_reasons"])
+    if name == "cat":  # what the test is about
+        assert [row[:2] for row in expected[0]] == [(0, 0), (0, 48)]
 
 
 @pytest.mark.parametrize("path", ["cpp", "python"])
