@@ -168,6 +168,9 @@ class _Builder:
         self.ops: list[Op] = []
         self.pool: list[ValueInfo] = []
         self.alias: dict[str, str] = {}  # value -> the value whose tensor it is (identity ops)
+        # views whose base an in-place op wrote into after they were made:
+        # no tensor hook on them (fuzz.ir_validate: eager crashes)
+        self.stale: set[str] = set()
         self.dtype = draw(st.sampled_from(list(cfg.dtypes)))
 
     def new_leaf(self, shape: tuple[int, ...], dtype: str | None = None) -> ValueInfo | None:
@@ -244,6 +247,8 @@ class _Builder:
             if chosen is None:
                 return
             inputs.append(chosen)
+        if spec.inplace_first:
+            self.stale.update(v.ref for v in self.pool if v.base and v.memory == first.memory)
         name = f"v{len(self.ops)}"
         # The catalog's rules must agree with its plans; a SpecError here is a
         # bug in fuzz/ops.py and is left to surface.
@@ -378,12 +383,12 @@ _SCALE_ARGS = (2.0, 0.5, -1.0)
 _SHIFT_ARGS = (0.5, -1.0)
 
 
-def _hook_targets(kind: str, values: Sequence[ValueInfo]) -> list[ValueInfo]:
+def _hook_targets(kind: str, values: Sequence[ValueInfo], stale: set[str]) -> list[ValueInfo]:
     if kind in ("retain_grad", "pre", "post"):
         return [v for v in values if not v.is_leaf]
     if kind == "post_accumulate":
         return [v for v in values if v.is_leaf]
-    return list(values)
+    return [v for v in values if v.ref not in stale]
 
 
 def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> list[Hook]:
@@ -400,11 +405,11 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
     retained: set[str] = set()
     for i in range(count):
         # tensor hooks (seven actions) twice as likely as each other kind
-        kinds = [k for k in ("tensor", *HOOK_KINDS) if _hook_targets(k, values) and cfg.allowed_actions(k)]
+        kinds = [k for k in ("tensor", *HOOK_KINDS) if _hook_targets(k, values, b.stale) and cfg.allowed_actions(k)]
         if not kinds:
             break
         kind = draw(st.sampled_from(kinds))
-        targets = _hook_targets(kind, values)
+        targets = _hook_targets(kind, values, b.stale)
         target: ValueInfo | None = None
         if hooks and rare(draw, 3):
             prev = hooks[-1].target
@@ -431,7 +436,7 @@ def _draw_hooks(draw: Any, cfg: GenConfig, b: _Builder, needed: set[str]) -> lis
             arg = draw(st.integers(0, 2))
         hooks.append(Hook(f"h{i}", kind, target.ref, action, arg))
         base, _, index = target.ref.partition(":")
-        siblings = [v for v in _hook_targets(kind, values) if index and v.ref.startswith(base + ":") and v.ref != target.ref]
+        siblings = [v for v in _hook_targets(kind, values, b.stale) if index and v.ref.startswith(base + ":") and v.ref != target.ref]
         if kind == "retain_grad" and cfg.retain_grad_once:
             siblings = [v for v in siblings if b.tensor_of(v.ref) not in retained]
         if siblings and len(hooks) < cfg.max_hooks and not rare(draw, 3):
