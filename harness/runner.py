@@ -354,14 +354,15 @@ def merge_variants(
             if static:
                 entry["static_sizes"] = list(static_sizes)
         if merged.status in (Status.EQUAL, Status.FALLBACK):
-            problem = check_captures(
-                [o.counts.get("captures", 0) for o in judged],
-                sizes,
-                dynamic,
-                static=static,
-                dropped=[o.counts.get("deopts", 0) for o in judged],
-                graphs=graphs,
-            )
+            captures = [o.counts.get("captures", 0) for o in judged]
+            # a variant that raised (as eager raised) reset the subject
+            # (harness.execution.execute): every graph captured so far is
+            # gone, and the next variant captures afresh
+            dropped = [
+                o.counts.get("deopts", 0) + (sum(captures[: i + 1]) if o.error is not None else 0)
+                for i, o in enumerate(judged)
+            ]
+            problem = check_captures(captures, sizes, dynamic, static=static, dropped=dropped, graphs=graphs)
             if problem is not None:
                 if static:
                     problem += f"; weaker rule because of: {', '.join(static_sizes)}"

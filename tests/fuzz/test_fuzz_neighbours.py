@@ -343,6 +343,12 @@ def test_regression_programs_agree_with_eager_and_their_neighbours(path: Path, m
       unpacked them through checkpoint's hook, and the backward after the
       miss raised "Unpack is being triggered for a tensor that was already
       unpacked once" where eager runs.
+    * ``captures-after-a-variant-raised``: campaign seed 71 (torch 2.13): a
+      size sequence whose every variant raises as eager raises
+      (``mul_`` into a tensor its own ``MulBackward0`` saved); the harness
+      resets the subject after an error, so each variant captured afresh,
+      which the capture rule counted against cagrad (a harness fault: the
+      rule now allows a capture for every graph a reset dropped).
     * ``lifetime-*``: campaigns with the lifetimes oracle on (seeds 61, 62
       and 64, torch 2.13), each run so here too (harness/lifetimes.py):
       ``trace-shape-env-frames`` (its neighbour at another shape: a trace
