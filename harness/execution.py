@@ -67,9 +67,9 @@ class Execution:
             (:mod:`harness.warnings_seen`; C++ ``TORCH_WARN`` s included).
         lifetimes: which storages of the forward were alive right after
             the backward, after the program let go of its objects, and
-            after a cyclic collection (:mod:`harness.lifetimes`, with
-            ``CAGRAD_FUZZ_LIFETIMES=1``); None where not recorded or where
-            the build or the backward raised.
+            after a cyclic collection (:mod:`harness.lifetimes`, unless
+            ``CAGRAD_FUZZ_LIFETIMES=0``); None for a peer, where not
+            recorded, or where the build or the backward raised.
         earlier: subjects with ``steps`` > 1: the values of each step
             before the last, in order (the fields above are the last
             step's); empty otherwise.
@@ -190,7 +190,9 @@ def _step(
     ``subject``; counter deltas add up in ``out``, and ``out.phase`` says
     where it is (``"build"``, then ``"backward"``). Raises what the build or
     the backward raises."""
-    if not lifetimes.enabled():
+    if not lifetimes.enabled() or subject.peer:
+        # (a peer's are never compared: torch's compiled autograd keeps its
+        # last graph's inputs alive, and collecting them costs a gc.collect)
         return _build_and_run(out, subject, program, device, seed, probe_sizes, None)
     storages = lifetimes.ForwardStorages()
     with lifetimes.collector_paused():

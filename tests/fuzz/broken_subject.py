@@ -12,7 +12,7 @@ one draw ahead of eager's: a ``state`` mismatch.
 ``warnings`` mismatch on a program whose hooks warn (``tensor.warn``).
 
 ``KeepsSavedTensors`` runs every backward with ``retain_graph=True``: a
-``lifetime`` mismatch (with ``CAGRAD_FUZZ_LIFETIMES=1``) wherever the graph
+``lifetime`` mismatch (unless ``CAGRAD_FUZZ_LIFETIMES=0``) wherever the graph
 saved a tensor the program does not hold.
 
 ``ForgetfulCagrad`` is cagrad that forgets its compiled graphs before every
@@ -182,8 +182,8 @@ class KeepsSavedTensors(harness.EagerSubject):
     backward (``retain_graph=True`` where the program asked for none): right
     gradients, and the forward's activations held until the graph dies, as a
     runtime that kept its own references to them would hold them. The
-    oracle reports a ``mismatch`` of kind ``lifetime`` (with
-    ``CAGRAD_FUZZ_LIFETIMES=1``)."""
+    oracle reports a ``mismatch`` of kind ``lifetime`` (unless
+    ``CAGRAD_FUZZ_LIFETIMES=0``)."""
 
     def __init__(self) -> None:
         super().__init__("keeps-saved")

@@ -1,5 +1,5 @@
-"""The ``lifetime`` comparison (harness/lifetimes.py, opt-in with
-CAGRAD_FUZZ_LIFETIMES=1): which storages of a program's forward a backward
+"""The ``lifetime`` comparison (harness/lifetimes.py, on unless
+CAGRAD_FUZZ_LIFETIMES=0): which storages of a program's forward a backward
 leaves alive, against eager's."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import harness
 from fuzz.signature import root_cause
 from harness.lifetimes import ENV, ForwardStorages, Lifetimes, compare_lifetimes
 from harness.program import CallableProgram, ProgramRun
+from harness.subjects import make_subject
 from tests.fuzz.broken_subject import KeepsSavedTensors
 
 
@@ -44,10 +45,22 @@ def test_eager_frees_the_saved_activation_at_the_end_of_the_backward() -> None:
     assert [label.split(" ", 2)[2] for label in after] == ["aten.randn.default", "aten.sum.default"]
 
 
-def test_off_by_default(monkeypatch) -> None:
-    monkeypatch.delenv(ENV, raising=False)
+@pytest.mark.parametrize(("value", "found"), [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_on_unless_switched_off(monkeypatch, value, found) -> None:
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
     report = harness.run_differential(_saves_an_activation(), [KeepsSavedTensors()], ["cpu"])
-    assert report.ok, report.summary()
+    assert report.ok is not found, report.summary()
+
+
+def test_a_peer_records_none(monkeypatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    peer = harness.execute(make_subject("torch_ca[eager]"), _saves_an_activation(), torch.device("cpu"))
+    assert peer.error is None and peer.lifetimes is None
+    own = harness.execute(make_subject("cagrad[eager]"), _saves_an_activation(), torch.device("cpu"))
+    assert own.error is None and own.lifetimes is not None and own.lifetimes.after_backward
 
 
 @pytest.mark.parametrize("subject", ["cagrad[eager]", "cagrad[aot_eager]"])
