@@ -60,7 +60,13 @@ from ..keys import subclasses
 from ..keys.compiled_node_args import Collector
 from ..keys.sizes import SizeCheck, static_check, symbolic_check
 from . import shape_env
-from .graph_checks import returns_input, check_no_opaque_calls, check_subclass_capture, holds_nested_int, prune
+from .graph_checks import (
+    check_no_opaque_calls,
+    check_subclass_capture,
+    holds_nested_int,
+    prune,
+    returns_input,
+)
 from .layouts import Spec
 from .node_apply import NodeApplication
 from .opaque_calls import OpaqueCalls

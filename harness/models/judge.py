@@ -11,10 +11,10 @@ import re
 
 import torch
 
+from harness.lifetimes import compare_lifetimes
 from harness.models.outcome import RowOutcome, RowStatus
 from harness.models.row import ModelRow
 from harness.models.train import RowRun
-from harness.lifetimes import compare_lifetimes
 from harness.outcome import Mismatch
 from harness.stacks.judge import compare_results
 from harness.subjects import Subject

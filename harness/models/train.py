@@ -54,7 +54,12 @@ import torch
 
 from harness.devices import seeded, synchronize
 from harness.global_state import GlobalState, capture
-from harness.lifetimes import ForwardStorages, Lifetimes, after_release, collector_paused
+from harness.lifetimes import (
+    ForwardStorages,
+    Lifetimes,
+    after_release,
+    collector_paused,
+)
 from harness.models.row import ModelRow, Setup
 from harness.outcome import ErrorInfo
 from harness.subjects import CagradSubject, Subject, counter_deltas
