@@ -51,8 +51,8 @@ weaker rule: shapes seen before, no capture; new shapes, at most one. A
 graph dropped after a failed speculation (cagrad's ``deopts``) allows one
 more capture, and so does every graph captured before a variant that
 raised (as eager raised: the harness resets the subject after an error, so
-the next variant starts from an empty cache). So is a graph whose trace recorded guards on its size
-symbols (a ``view`` to constant sizes guards divisibility, say: a new size
+the next variant starts from an empty cache). So is a graph whose trace
+recorded guards on its size symbols (a ``view`` to constant sizes guards divisibility, say: a new size
 that breaks a guard recaptures, as cagrad documents). Why a backward
 missed: cagrad's ``cagrad.verbose`` log.
 """

@@ -8,7 +8,7 @@ memory (``CatBackward`` hands each leaf a fresh view of ``g``), while after
 ``a.clone().backward(g)`` ``a.grad`` is a copy (``g`` itself arrives, which
 the caller holds). A user who writes into ``g`` afterwards sees the
 difference in ``.grad``. Each program here runs in eager and under cagrad
-(the first backward a capture, the second a guarded hit) and the sharing is
+(the first backward a capture, the second a cache hit) and the sharing is
 compared: with which tensor, at which offset, with which strides, and that
 ``.grad`` is not a view (eager's never is).
 """
@@ -85,9 +85,6 @@ def _hook_keeps(kind):
 
 
 PROGRAMS = {
-    "with_post_accumulate_hook": _with_post_accumulate_hook,
-    "hook_keeps_detached_alias": _hook_keeps("detached"),
-    "hook_keeps_view": _hook_keeps("view"),
     "cat": _cat,
     "cat_columns": _cat_columns,
     "clone": _clone,
@@ -95,6 +92,9 @@ PROGRAMS = {
     "same_leaf_twice": _same_leaf_twice,
     "two_roots": _two_roots,
     "one_gradient_for_two_leaves": _one_gradient_for_two_leaves,
+    "with_post_accumulate_hook": _with_post_accumulate_hook,
+    "hook_keeps_detached_alias": _hook_keeps("detached"),
+    "hook_keeps_view": _hook_keeps("view"),
 }
 
 
