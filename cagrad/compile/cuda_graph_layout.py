@@ -20,7 +20,7 @@ import torch
 class _Recorded:
     __slots__ = (
         "graph", "buffers", "static", "outputs", "copies_device", "handed", "copies", "device", "frees", "next", "used",
-        "addresses_by_data", "spans",
+        "addresses_by_data", "spans", "views",
     )
 
     def __init__(
@@ -48,6 +48,10 @@ class _Recorded:
         # inputs whose elements share memory (an expanded tensor): the graph
         # reads a view of a buffer holding their storage span (_span)
         self.spans = spans or {}
+        # (output index, input index, element offset from the buffer's
+        # storage offset): outputs that are views of an input's buffer,
+        # handed out as the same view of the caller's input (views_of_inputs)
+        self.views = views_of_buffers(outputs, buffers, self.spans)
         groups: dict[Any, tuple[list, list[int]]] = {}
         for i, buf in enumerate(buffers):
             if buf is not None and i not in self.spans:
@@ -73,6 +77,40 @@ class _Recorded:
                 return False
             flat.copy_(_span(t))
         return True
+
+
+def views_of_buffers(outputs: list, buffers: list, spans: dict[int, torch.Tensor]) -> list[tuple[int, int, int]]:
+    """``(output index, input index, element offset)`` of each output whose
+    storage is the buffer of a copied input (not a span): a view the graph
+    made of that input (``CatBackward`` slicing a root gradient)."""
+    by_storage = {
+        _storage_address(b): i for i, b in enumerate(buffers) if b is not None and i not in spans and b.numel()
+    }
+    views = []
+    for j, o in enumerate(outputs):
+        if isinstance(o, torch.Tensor) and o.numel():
+            i = by_storage.get(_storage_address(o))
+            if i is not None:
+                views.append((j, i, o.storage_offset() - buffers[i].storage_offset()))
+    return views
+
+
+def views_of_inputs(recorded: _Recorded, handed: list, inputs: list) -> list:
+    """``handed`` (aliases of the graph's outputs) with each output that is
+    a view of a copied input's buffer (:attr:`_Recorded.views`) replaced by
+    the same view of the caller's input, where that input has the buffer's
+    sizes, strides, dtype and device: eager's backward hands the leaf a view
+    of the tensor it was given (a ``grad_tensors`` tensor), which its
+    ``AccumulateGrad`` adopts as ``.grad``, sharing the caller's memory; a
+    view of the graph's buffer would be a copy (same values and strides)."""
+    if not recorded.views:
+        return list(handed)
+    out = list(handed)
+    for j, i, offset in recorded.views:
+        t, buf, o = inputs[i], recorded.buffers[i], recorded.outputs[j]
+        if t is not buf and _fits(t, buf):
+            out[j] = t.detach().as_strided(o.size(), o.stride(), t.storage_offset() + offset)
+    return out
 
 
 def _storage_address(t: torch.Tensor) -> int:

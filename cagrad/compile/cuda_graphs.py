@@ -53,7 +53,12 @@ whole-graph backward (``fn(inputs, sizes, scalars, hooks, packed_inputs)``):
   memory beyond the graph's pool), a live one (a ``.grad`` kept to
   accumulate into) is moved to memory of its own, and one that a view made
   by the user shares cannot be moved: that call runs without the graph
-  (``outputs_alive``). Where the extension is not built the outputs are
+  (``outputs_alive``). An output that is a view of a copied input's buffer
+  (``CatBackward`` slicing a root gradient) is handed out as the same view
+  of the caller's input instead, as eager's ``.grad`` shares that tensor
+  (:func:`~cagrad.compile.cuda_graph_layout.views_of_inputs`; the
+  recording keeps such an input in the caller's list, where the caller
+  still holds it). Where the extension is not built the outputs are
   *borrowed* (:class:`BorrowedOutputs`) and copied instead
   (:func:`cagrad.run.runtime.finish_whole` accumulates them without stealing
   and clones ``autograd.grad`` results).
@@ -88,6 +93,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +113,7 @@ from .cuda_graph_layout import (
     _Recorded,
     _span,
     _storage_address,
+    views_of_inputs,
 )
 
 log = logging.getLogger("cagrad.cuda_graphs")
@@ -308,7 +315,7 @@ class CudaGraphed:
             # sizes, host values and the addresses it reads, with no CUDA
             # input to copy in, so the replay read exactly these inputs
             self.early = True
-            return self._hand_out(recorded)
+            return self._hand_out(recorded, inputs)
         return self._replay(recorded, inputs, sizes)
 
     def _room(self, size_key: tuple, keep: _Recorded) -> bool:
@@ -377,16 +384,18 @@ class CudaGraphed:
             counters.record_cudagraph_skip("outputs_alive")
             return list(self.fn(inputs, list(sizes), [], [], []))
         recorded.graph.replay()
-        return self._hand_out(recorded)
+        return self._hand_out(recorded, inputs)
 
-    def _hand_out(self, recorded: _Recorded) -> list:
-        """The outputs of ``recorded``, replayed just now or early, as aliases."""
+    def _hand_out(self, recorded: _Recorded, inputs: list) -> list:
+        """The outputs of ``recorded``, replayed just now or early, as
+        aliases; one that is a view of a copied input as that view of the
+        caller's input (:func:`views_of_inputs`)."""
         counters.bump("cudagraph_replays")
         self.replays += 1
         recorded.used = self.replays
         self._observe(recorded)
         recorded.handed = [o.detach() if isinstance(o, torch.Tensor) else o for o in recorded.outputs]
-        return list(recorded.handed)
+        return views_of_inputs(recorded, recorded.handed, inputs)
 
     def _observe(self, recorded: _Recorded) -> None:
         """Learns the order of replays: which graph followed the last one
@@ -527,6 +536,7 @@ class CudaGraphed:
         args = []
         buffers: list[torch.Tensor | None] = []
         spans: dict[int, torch.Tensor] = {}
+        moved: dict[int, weakref.ref] = {}  # the copied inputs, while someone else holds them
         for i, s in enumerate(static):
             t = inputs[i]
             if s:
@@ -555,6 +565,7 @@ class CudaGraphed:
                 # sizes and strides): where the caller handed its list over,
                 # the input is freed now, as eager frees a saved tensor, and
                 # the recording's peak holds one of the two
+                moved[i] = weakref.ref(t)
                 del t
                 inputs[i] = buffers[-1]
         graph = torch.cuda.CUDAGraph()
@@ -564,10 +575,21 @@ class CudaGraphed:
         in_place = {_storage_address(t) for t, s, p in zip(inputs, static, params) if s and not p}
         if in_place and any(isinstance(o, torch.Tensor) and _storage_address(o) in in_place for o in outputs):
             del outputs, graph
+            for i, ref in moved.items():
+                original = ref()  # copied from the caller's tensor again, where it lives
+                if original is not None:
+                    inputs[i] = original
             return self._record(inputs, sizes, params, params)
         counters.bump("cudagraph_records")
         by_data = any(t.device.type == "cuda" and not (t.is_floating_point() or t.is_complex()) for t in inputs)
-        return _Recorded(graph, buffers, static, outputs, torch.cuda.current_device(), by_data, spans)
+        recorded = _Recorded(graph, buffers, static, outputs, torch.cuda.current_device(), by_data, spans)
+        for _, i, _ in recorded.views:
+            # an output views this input: the first replay hands out that view
+            # of the caller's tensor, where the caller still holds it
+            original = moved[i]()
+            if original is not None:
+                inputs[i] = original
+        return recorded
 
 
 __all__ = ["EARLY_REPLAY", "LAYOUT_GRAPHS", "LAYOUT_RECORDS", "MAX_GRAPHS", "MAX_HOST_VALUES", "BorrowedOutputs", "CudaGraphed", "check_mode", "unread_host_inputs", "unsafe_reason"]
