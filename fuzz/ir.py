@@ -72,7 +72,14 @@ from fuzz.ir_check import expect as _expect
 from fuzz.ir_check import is_int as _is_int
 from fuzz.ir_graph import DoubleBackward, FuncTerm
 from fuzz.ir_types import DEFAULT_HOOK_ACTIONS, DTYPES, HOOK_KINDS, LOSSES, MODES, Hook, Leaf, Op, Shape, ValueInfo
-from fuzz.ir_validate import check_hook, check_resizes, infer_outputs, inplace_conflicts, validate
+from fuzz.ir_validate import (
+    check_hook,
+    check_resizes,
+    infer_outputs,
+    inplace_conflicts,
+    validate,
+    views_made_before,
+)
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
@@ -372,5 +379,6 @@ __all__ = [
     "check_resizes",
     "infer_outputs",
     "inplace_conflicts",
+    "views_made_before",
     "validate",
 ]

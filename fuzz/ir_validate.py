@@ -136,7 +136,7 @@ def validate(program: Any) -> dict[str, ValueInfo]:
                     f"{where}.inputs[{j}]",
                     f"{op.op}: {info.ref!r} may be a view overlapping the written tensor; use a fresh value or a leaf",
                 )
-            stale_views.update(r for r, v in values.items() if v.base and v.memory == infos[0].memory)
+            stale_views.update(views_made_before(infos[0], values))
             stale = inplace_conflicts(infos[0], values)
             _expect(
                 not stale,
@@ -340,4 +340,14 @@ def inplace_conflicts(written: ValueInfo, values: Mapping[str, ValueInfo]) -> li
     return [ref for ref, v in values.items() if v.multi_view and v.memory == memory]
 
 
-__all__ = ["check_hook", "check_resizes", "infer_outputs", "inplace_conflicts", "validate"]
+def views_made_before(written: ValueInfo, values: Mapping[str, ValueInfo]) -> list[str]:
+    """The refs among ``values`` (the values made before an in-place op)
+    that are views of ``written``'s memory: once it is modified in place,
+    ``Tensor.register_hook`` on one of them crashes eager (SIGSEGV, torch
+    2.13 and 2.14), so neither :func:`validate` nor the generator allows a
+    tensor hook there."""
+    memory = written.memory
+    return [ref for ref, v in values.items() if v.base and v.memory == memory]
+
+
+__all__ = ["check_hook", "check_resizes", "infer_outputs", "inplace_conflicts", "validate", "views_made_before"]

@@ -61,6 +61,7 @@ from fuzz.ir import (
     infer_outputs,
     inplace_conflicts,
     validate,
+    views_made_before,
 )
 from fuzz.op_table import OP_SLOTS, draw_op, op_slots, op_weights
 
@@ -248,7 +249,7 @@ class _Builder:
                 return
             inputs.append(chosen)
         if spec.inplace_first:
-            self.stale.update(v.ref for v in self.pool if v.base and v.memory == first.memory)
+            self.stale.update(views_made_before(first, {v.ref: v for v in self.pool}))
         name = f"v{len(self.ops)}"
         # The catalog's rules must agree with its plans; a SpecError here is a
         # bug in fuzz/ops.py and is left to surface.
