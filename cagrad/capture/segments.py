@@ -153,6 +153,12 @@ class SegmentedGraph:
     input_reads: dict[str, int]
     object_reads: dict[str, int]
     output: list[str | None]
+    # some accumulation adopts the gradient handed to it (run then notes
+    # which compiled segments' outputs overlap)
+    hands_grads: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hands_grads = any(isinstance(s, OpaqueStep) and s.hands_grad for s in self.steps)
 
     @property
     def segments(self) -> list[Segment]:
@@ -612,7 +618,7 @@ def run(
     # ids of compiled segments' outputs over memory that an earlier output of
     # their segment has (a backend may write two results into one buffer
     # where eager made two tensors): never adopted as a .grad uncopied
-    overlapping: set[int] | None = set() if any(getattr(s, "hands_grad", False) for s in sg.steps) else None
+    overlapping: set[int] | None = set() if sg.hands_grads else None
     for step in sg.steps:
         if isinstance(step, Segment):
             if before_step is not None:
