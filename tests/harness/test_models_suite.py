@@ -217,15 +217,16 @@ class _PatchedBackward(EagerSubject):
     them), or each loss kept in a module list (a cache that outlives the
     model)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, keep_graph: bool) -> None:
         super().__init__(name)
+        self.keep_graph = keep_graph
 
     @contextlib.contextmanager
     def active(self):
         real = torch.autograd.backward
 
         def backward(tensors, grad_tensors=None, retain_graph=None, *args, **kwargs):
-            if self.name == "keeps-saved":
+            if self.keep_graph:
                 retain_graph = True
             else:
                 _LEAKED.append(tensors)
@@ -249,7 +250,8 @@ class _PatchedBackward(EagerSubject):
 )
 def test_judge_sees_tensors_left_alive(name: str, where: str, detail: str) -> None:
     try:
-        o = _only(run_row(registry.get("plain_mlp_dropout"), [_PatchedBackward(name)], torch.device("cpu")))
+        subject = _PatchedBackward(name, keep_graph=name == "keeps-saved")
+        o = _only(run_row(registry.get("plain_mlp_dropout"), [subject], torch.device("cpu")))
     finally:
         _LEAKED.clear()
     assert o.status is RowStatus.MISMATCH, o.describe()
