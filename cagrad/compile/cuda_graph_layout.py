@@ -103,8 +103,6 @@ def views_of_inputs(recorded: _Recorded, handed: list, inputs: list) -> list:
     of the tensor it was given (a ``grad_tensors`` tensor), which its
     ``AccumulateGrad`` adopts as ``.grad``, sharing the caller's memory; a
     view of the graph's buffer would be a copy (same values and strides)."""
-    if not recorded.views:
-        return list(handed)
     out = list(handed)
     for j, i, offset in recorded.views:
         t, buf, o = inputs[i], recorded.buffers[i], recorded.outputs[j]
