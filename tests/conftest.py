@@ -170,6 +170,20 @@ def isolated_cagrad(monkeypatch):
         pytest.fail("the test left a cagrad.enable context open in another thread: later backwards run under cagrad")
 
 
+#: the most pytest-xdist workers ``-n auto`` (pyproject's addopts) starts.
+#: Each worker imports torch, transformers and timm and builds their models
+#: (about 1.5 GB at its peak), so a many-core machine gets eight, not one per
+#: core; ``-n N`` on the command line sets any number, ``-n 0`` none.
+MAX_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``'s worker count: the cores this process may use, at most
+    :data:`MAX_WORKERS` (pytest-xdist's hook; its default counts every core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
 def pytest_report_header(config) -> str:
     """One header line: which profile the run uses."""
     return f"hypothesis profile: {profile_name()} (set {PROFILE_ENV}=ci|dev|nightly)"

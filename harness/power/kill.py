@@ -135,7 +135,7 @@ def command(name: str, programs: int, scratch: str) -> list[str]:
     """The argv of one killer; ``scratch`` is a folder it may write in."""
     py = sys.executable
     if name == "tests":
-        return [py, "-m", "pytest", "-q", "-x", *TEST_FILES]
+        return [py, "-m", "pytest", "-q", "-x", "-n", "0", *TEST_FILES]
     if name == "golden":
         return [py, "-m", "golden_graphs", "check"]
     if name == "fuzz":
@@ -145,7 +145,7 @@ def command(name: str, programs: int, scratch: str) -> list[str]:
             "--no-progress", "--shrink-seconds", "0", "--out", os.path.join(scratch, "fuzz"),
         ]  # fmt: skip
     if name.startswith("pytest:"):  # a named test file or node id: for quick runs and the tool's own tests
-        return [py, "-m", "pytest", "-q", "-x", name.split(":", 1)[1]]
+        return [py, "-m", "pytest", "-q", "-x", "-n", "0", name.split(":", 1)[1]]
     raise ValueError(f"unknown killer {name!r}: expected one of {', '.join(KILLERS)} or pytest:PATH")
 
 
