@@ -142,6 +142,13 @@ def test_at_least_forty_scenarios_each_described():
         assert scenarios.get(name).description, name
 
 
-def test_committed_set_is_for_this_torch_only_where_it_exists():
-    """Sets exist per torch minor; 2.12 deliberately has none yet."""
-    assert not (DEFAULT_ROOT / "torch-2.12").exists()
+def test_every_committed_set_holds_each_scenario_once_for_its_own_torch():
+    """Each ``torch-<minor>`` set (2.11 to 2.14) has one parseable file per
+    registered scenario, and each file names the set's own torch minor."""
+    sets = sorted(p for p in DEFAULT_ROOT.iterdir() if p.is_dir())
+    assert [p.name for p in sets][:4] == ["torch-2.11", "torch-2.12", "torch-2.13", "torch-2.14"]
+    for folder in sets:
+        assert sorted(f.stem for f in folder.glob("*.txt")) == sorted(scenarios.names()), folder.name
+        for f in folder.glob("*.txt"):
+            snap = parse(f.read_text(), str(f))
+            assert f"torch-{snap.torch}" == folder.name, f
