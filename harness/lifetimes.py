@@ -53,7 +53,8 @@ campaign's throughput is within a few percent of one without lifetimes.
 Its first campaigns, opt-in then, found five differences of cagrad's, all
 fixed (two leaks, two reference cycles, and gradients eager adopts as
 views of ``grad_tensors`` copied: docs/fuzzing.md, *Lifetimes*). The
-models suite records lifetimes always (:mod:`harness.models.train`).
+models suite records lifetimes always (:mod:`harness.models.train`), the
+stacks suite as a campaign does (:mod:`harness.stacks.execute`).
 
 Example::
 
@@ -76,6 +77,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     is_traceable_wrapper_subclass,
@@ -148,6 +150,18 @@ class ForwardStorages(TorchDispatchMode):
     def alive(self) -> tuple[str, ...]:
         """The labels of the noted storages still alive, in creation order."""
         return tuple(label for label, ref in self._refs if ref() is not None)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The mode taken off the dispatch-mode stack inside the block, where
+        it is the innermost mode (a backward runs with no mode of the
+        harness's active, and what it allocates is not noted); nothing
+        changes where it is not active or another mode is inside it."""
+        if _python_dispatch._get_current_dispatch_mode() is not self:
+            yield
+            return
+        with _python_dispatch._pop_mode_temporarily():
+            yield
 
 
 @contextlib.contextmanager

@@ -1,12 +1,26 @@
-"""One run of one stack under one subject in this process (one rank)."""
+"""One run of one stack under one subject in this process (one rank).
+
+The run also records lifetimes (:mod:`harness.lifetimes`) unless the
+subject is a peer or ``CAGRAD_FUZZ_LIFETIMES=0``: the stack runs inside a
+:class:`~harness.lifetimes.ForwardStorages` mode, paused around each
+backward and each recording (:meth:`StackContext.engine`), with Python's
+cyclic collector paused, so that the storages noted are the ones the
+stack's own code makes on the main thread (forwards, losses, optimizer
+steps; a distributed stack's forward collectives), labelled alike under
+every subject. Which of them are alive is read after each backward and
+once the stack has returned (everything it built dropped).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from harness import lifetimes
 from harness.devices import seeded, synchronize
+from harness.lifetimes import ForwardStorages, Lifetimes, after_release, collector_paused
 from harness.outcome import ErrorInfo
 from harness.stacks.outcome import RankRun, StackRun
 from harness.stacks.stack import Stack, StackContext
@@ -26,7 +40,8 @@ def execute(
     Returns:
         A :class:`StackRun` with one :class:`RankRun` (this rank's).
     """
-    ctx = StackContext(device, subject, rank=rank, world_size=world_size)
+    storages = ForwardStorages() if lifetimes.enabled() and not subject.peer else None
+    ctx = StackContext(device, subject, rank=rank, world_size=world_size, storages=storages)
     rank_run = RankRun()
     out = StackRun(ranks=[rank_run])
     start = time.perf_counter()
@@ -34,9 +49,15 @@ def execute(
     try:
         subject.reset()
         before = subject.counters()
-        with seeded(device, seed):
+        noting = (storages, collector_paused()) if storages is not None else ()
+        with seeded(device, seed), contextlib.ExitStack() as modes:
+            for mode in noting:
+                modes.enter_context(mode)
             stack.fn(ctx)
             synchronize(device)
+        if storages is not None:
+            held, leaked = after_release(storages)
+            ctx.lifetimes.append(("end", Lifetimes(after_release=held, leaked=leaked)))
     except Exception as exc:  # noqa: BLE001 - reported, judged against eager's
         rank_run.error = ErrorInfo.from_exception(exc)
     finally:
@@ -47,6 +68,7 @@ def execute(
         out.seconds = time.perf_counter() - start
         out.engine_entries = ctx.engine_entries
         rank_run.results = ctx.results
+        rank_run.lifetimes = ctx.lifetimes
         try:
             subject.reset()
         except Exception:  # noqa: BLE001

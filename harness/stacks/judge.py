@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from harness.compare import compare_structure
+from harness.lifetimes import compare_lifetimes
 from harness.outcome import ErrorInfo, Mismatch
 from harness.stacks.outcome import RankRun, StackOutcome, StackRun, StackStatus
 from harness.subjects import Subject
@@ -67,7 +68,11 @@ def judge_rank(
 ) -> tuple[StackStatus, list[Mismatch]]:
     """One rank's status: eager raised -> the same exception type is a match,
     another type an error, success a mismatch at ``"exception"``; the subject
-    raised alone -> error; else a mismatch when any value differs."""
+    raised alone -> error; else a mismatch when any value differs, or when
+    the stack's storages alive after a backward or at the end differ from
+    eager's (:func:`harness.lifetimes.compare_lifetimes`, at
+    ``backward<k>.lifetime`` and ``end.lifetime``; only where both runs
+    recorded them)."""
     if expected.error is not None:
         if actual.error is None:
             return StackStatus.MISMATCH, [
@@ -78,6 +83,8 @@ def judge_rank(
     if actual.error is not None:
         return StackStatus.ERROR, []
     mismatches = compare_results(expected.results, actual.results, backend, device_type, policy, prefix, compute_dtype)
+    for (where, want), (_, got) in zip(expected.lifetimes, actual.lifetimes):
+        mismatches += compare_lifetimes(want, got, at=f"{prefix}{where}.")
     return (StackStatus.MISMATCH if mismatches else StackStatus.MATCH), mismatches
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from harness.lifetimes import Lifetimes
 from harness.outcome import ErrorInfo, Mismatch
 
 
@@ -46,10 +47,16 @@ class RankRun:
         results: the values the stack recorded (name -> snapshot), in
             recording order; partial when it raised.
         error: its exception reduced to text (``None`` when it finished).
+        lifetimes: ``(where, Lifetimes)``: the storages the stack's own
+            code made (forwards, optimizer steps) alive after each backward
+            on the main thread (``backward<k>``, from 0) and once the stack
+            returned (``end``); empty where not recorded (a peer, or
+            ``CAGRAD_FUZZ_LIFETIMES=0``), see :mod:`harness.stacks.execute`.
     """
 
     results: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: ErrorInfo | None = None
+    lifetimes: list[tuple[str, Lifetimes]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ import torch
 
 from harness import global_state
 from harness.execution import snapshot
+from harness.lifetimes import ForwardStorages, Lifetimes
 from harness.subjects import EagerSubject, Subject
 
 Placement = Literal["backward", "thread"]
@@ -94,14 +95,28 @@ class StackContext:
         engine_entries: how many times :meth:`engine` was entered.
     """
 
-    def __init__(self, device: torch.device, subject: Subject | None = None, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        device: torch.device,
+        subject: Subject | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        storages: ForwardStorages | None = None,
+    ):
         self.device = torch.device(device)
         self.subject = subject or EagerSubject()
         self.rank, self.world_size = rank, world_size
         self.results: dict[str, Any] = {}
         self.engine_entries = 0
+        self.storages = storages
+        self.lifetimes: list[tuple[str, Lifetimes]] = []
         self._backwards = 0  # main-thread engine exits, numbering the RNG records
         self._lock = threading.Lock()
+
+    def _unnoted(self) -> contextlib.AbstractContextManager[None]:
+        """:attr:`storages` paused (the harness's own work and the backward
+        are not the stack's allocations)."""
+        return self.storages.paused() if self.storages is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def engine(self) -> Iterator[None]:
@@ -116,13 +131,20 @@ class StackContext:
         generator's state as a sha256 prefix, :mod:`harness.global_state`),
         so the suite compares them with eager's after every step: the next
         forward's dropout draws from them. Worker threads' backwards are
-        not recorded (their order against each other is not fixed)."""
+        not recorded (their order against each other is not fixed).
+
+        With :attr:`storages` (a :class:`~harness.lifetimes.ForwardStorages`
+        around the whole stack), the mode is paused inside, and leaving on
+        the main thread also notes which of the stack's storages are alive
+        (:attr:`lifetimes`, ``backward <k>``)."""
         with self._lock:
             self.engine_entries += 1
-        with self.subject.active():
+        with self._unnoted(), self.subject.active():
             yield
         if threading.current_thread() is threading.main_thread():
             self.record(f"rng after backward {self._backwards}", random_streams())
+            if self.storages is not None:
+                self.lifetimes.append((f"backward{self._backwards}", Lifetimes(after_backward=self.storages.alive())))
             self._backwards += 1
 
     def record(self, name: str, value: Any) -> None:
@@ -132,7 +154,7 @@ class StackContext:
         Raises:
             KeyError: ``name`` was recorded before in this run.
         """
-        with self._lock:
+        with self._lock, self._unnoted():
             if name in self.results:
                 raise KeyError(f"result {name!r} recorded twice")
             self.results[name] = snapshot(value)

@@ -240,6 +240,81 @@ def test_a_subject_that_draws_is_caught_at_the_first_backward():
     assert [m.where for m in outcome.mismatches] == [f"rng after backward {k}['cpu_rng']" for k in range(3)]
 
 
+_KEPT: list = []
+
+
+class KeepsWhatEagerFrees(EagerSubject):
+    """Test-only: eager autograd with ``torch.autograd.backward`` wrapped
+    while active: ``retain_graph=True`` forced (the saved tensors outlive
+    the backward while the stack holds its loss, as a runtime holding its
+    own references to them would keep them), or each loss kept in a module
+    list (a cache that outlives the stack)."""
+
+    def __init__(self, keep_graph: bool) -> None:
+        super().__init__("keeps_graph" if keep_graph else "keeps_losses")
+        self.keep_graph = keep_graph
+
+    @contextlib.contextmanager
+    def active(self):
+        real = torch.autograd.backward
+
+        def backward(tensors, grad_tensors=None, retain_graph=None, *args, **kwargs):
+            if self.keep_graph:
+                retain_graph = True
+            else:
+                _KEPT.append(tensors)
+            return real(tensors, grad_tensors, retain_graph, *args, **kwargs)
+
+        torch.autograd.backward = backward
+        try:
+            yield
+        finally:
+            torch.autograd.backward = real
+
+
+@pytest.mark.parametrize(
+    ("keep_graph", "where", "detail"),
+    [
+        # mlp_sgd holds its loss across the backward: with the graph kept, its
+        # saved activations are alive where eager had freed them
+        (True, "backward0.lifetime", "forward storages alive right after the backward where eager freed them: op "),
+        # step 0's loss, rebound by step 1 in eager, is still alive after
+        # step 1's backward, and every loss after the stack returned
+        (False, "backward1.lifetime", "forward storages alive right after the backward where eager freed them: op "),
+    ],
+)
+def test_storages_a_subject_keeps_alive_are_a_lifetime_mismatch(keep_graph, where, detail):
+    try:
+        outcome = only("mlp_sgd", KeepsWhatEagerFrees(keep_graph))
+    finally:
+        _KEPT.clear()
+    assert outcome.status is StackStatus.MISMATCH, outcome.describe()
+    assert all(m.where.endswith(".lifetime") for m in outcome.mismatches), outcome.describe()  # values agree
+    assert outcome.mismatches[0].where == where and outcome.mismatches[0].detail.startswith(detail), outcome.describe()
+    if not keep_graph:
+        assert outcome.mismatches[-1].where == "end.lifetime", outcome.describe()
+        assert "cyclic collector ran" in outcome.mismatches[-1].detail
+
+
+def test_lifetimes_label_the_stacks_own_storages_alike_under_eager_and_cagrad(monkeypatch):
+    from harness.stacks.execute import execute
+
+    runs = [execute(get("mlp_sgd"), s, CPU) for s in (EagerSubject(), make_subject("cagrad[eager]"))]
+    eager, compiled = (run.ranks[0] for run in runs)
+    # the mode is off while the backward runs: cagrad compiled every one
+    assert runs[1].counts["fallbacks"] == 0 and runs[1].counts["captures"] >= 1, runs[1].counts
+    assert [w for w, _ in eager.lifetimes] == ["backward0", "backward1", "backward2", "end"]
+    assert eager.lifetimes == compiled.lifetimes
+    # after eager's backward: the loss (a mean) alive, the activations the
+    # graph saved (tanh's outputs) freed with it, and the gradients (aten.mm
+    # of the backward; the forward's Linear is addmm) not noted
+    after = eager.lifetimes[0][1].after_backward
+    assert any("aten.mean" in label for label in after), after
+    assert not any("tanh" in label or "aten.mm." in label for label in after), after
+    monkeypatch.setenv("CAGRAD_FUZZ_LIFETIMES", "0")
+    assert execute(get("mlp_sgd"), EagerSubject(), CPU).ranks[0].lifetimes == []
+
+
 def test_planted_error_is_reported_with_type_and_message():
     outcome = only("mlp_sgd", RaisesOnEntry(RuntimeError("planted engine failure")))
     assert outcome.status is StackStatus.ERROR and outcome.eager_error is None
