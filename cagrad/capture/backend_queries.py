@@ -13,7 +13,7 @@ experts receive 0, 1 or more tokens recaptured per pattern under inductor
 The queries below are answered by their fallback without a guard, each
 because the compiled code is the same, or right, at every value the
 variant accepts. Each is recognized by its code object and line, and only
-while its source is one read for this (a hash, torch 2.13.0 and 2.14.1;
+while its source is one read for this (a hash, torch 2.12.1, 2.13.0 and 2.14.1;
 any other source guards as before):
 
 * ``torch._inductor.lowering.broadcast_symbolic_shapes``: its two
@@ -50,7 +50,7 @@ any other source guards as before):
   (C++ ``computeStorageNbytes``), asking ``guard_or_false(size == 0)``
   once per size, as for the fakes ``fake_impls.constructors`` makes (same
   reasons, same recognition by stack and by order of the sizes; the
-  torch versions whose C++ was observed, 2.13.0 and 2.14.1).
+  torch versions whose C++ was observed, 2.12.1, 2.13.0 and 2.14.1).
 * ``torch._prims_common.compute_elementwise_output_logical_to_physical_perm``
   (``meta_index_Tensor`` on the source restrided with zero strides, in the
   decomposition of ``index_select``'s backward): its fast path returns the
@@ -81,8 +81,10 @@ from typing import Any
 
 log = logging.getLogger("cagrad")
 
-# sha256 (first 16 hex digits) of the sources read, torch 2.13.0 and 2.14.1
-# (2.14 changed a comment of constant_fold_uniform_value)
+# sha256 (first 16 hex digits) of the sources read, torch 2.12.1, 2.13.0 and
+# 2.14.1 (2.14 changed a comment of constant_fold_uniform_value; 2.12's passes
+# no pin_memory to the full it folds into, and its FunctionalTensor.__new__
+# maps storages to inference-mode bases otherwise: no size query changes)
 AUDITED = {
     "broadcast_symbolic_shapes": {"5357278f723a3fcb"},
     "is_size_one_or_false": {"ecd2a4066417ce24"},
@@ -90,8 +92,8 @@ AUDITED = {
     # 2.14 turned their asserts into raises
     "ExpandView._normalize_size": {"47939e7cc1d6d76c", "cbf66620cae18f93"},
     "ExpandView.create": {"5accde0d9eba114b", "cb7ddccdf741dbfe"},
-    "constant_fold_uniform_value": {"add2dfc4ef1b1c52", "4b3e25230c0dcfca"},
-    "FunctionalTensor.__new__": {"5c2d745d035422aa"},
+    "constant_fold_uniform_value": {"add2dfc4ef1b1c52", "4b3e25230c0dcfca", "114d5788e3d0e285"},
+    "FunctionalTensor.__new__": {"5c2d745d035422aa", "3461a9769a625930"},
     "compute_elementwise_output_logical_to_physical_perm": {"8f547e8cf62053bd"},
 }
 

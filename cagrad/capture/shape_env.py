@@ -63,7 +63,7 @@ same as with the guard at every value the variant's check accepts:
   ``empty_strided``), by the expression (``Eq(size, 0)`` of one of the
   call's sizes, each at most once and in order: a further query guards),
   by the source of ``constructors`` and, the C++ not being readable from
-  Python, by the torch version (2.13.0, 2.14.1: on both the query was seen
+  Python, by the torch version (2.12.1, 2.13.0, 2.14.1: on each the query was seen
   to come once per symbolic size through ``SymNode.guard_or_false``, and
   nothing else is asked from that call).
 * ``scatter_gather_dtype_check`` and ``scatter_shape_check`` of
@@ -82,7 +82,7 @@ key field for it, and the contiguity guards of ``tensor_meta`` were what
 pinned such a size (docs/checkpointing-and-dynamic-sizes.md).
 
 Each function is recognized by its code object, and only while its source
-is one of the versions read for this (torch 2.13.0 and 2.14.1: a hash of
+is one of the versions read for this (torch 2.12.1, 2.13.0 and 2.14.1: a hash of
 the source of it and of the functions it calls); with any other source it
 guards as before, so a torch that changed one of them costs captures, not
 correctness (a torch whose storage-size site is not recognized keeps 0
@@ -118,8 +118,8 @@ ShapeEnv = internals.import_attr("fake_tensor_capture", _SYMBOLIC, "ShapeEnv")
 DimDynamic = internals.import_attr("fake_tensor_capture", _SYMBOLIC, "DimDynamic")
 
 # sha256 (first 16 hex digits) of the sources read for the module docstring,
-# per function, in torch 2.13.0 and 2.14.1 (2.14 changed a comment of
-# _broadcast_shapes)
+# per function, in torch 2.12.1, 2.13.0 and 2.14.1 (2.14 changed a comment of
+# _broadcast_shapes; 2.12's constructors also refuses named tensors)
 _AUDITED = {
     "_extract_tensor_metadata": None,  # any source: its results are metadata
     "_broadcast_shapes": {"c3cb6eddc6fdcdb2", "19c3eba9fcaac2f8"},
@@ -132,7 +132,7 @@ _AUDITED = {
     "check_contiguous_sizes_strides": {"eba4d232cddd0629"},
     "is_channels_last_contiguous_2d": {"722c95692d6dee32"},
     "is_channels_last_contiguous_3d": {"16debccc6924701b"},
-    "constructors": {"d642508a9a6d67fb", "253421596250a31a"},
+    "constructors": {"d642508a9a6d67fb", "253421596250a31a", "8f9222721df32f5e"},
     "scatter_gather_dtype_check": {"1abe3a85b5fe5a9f"},
     "scatter_shape_check": {"d8ce544e9a77b6c0"},
 }
@@ -140,7 +140,7 @@ _AUDITED = {
 # the C++ storage-size computation (computeStorageNbytes in
 # aten/src/ATen/EmptyTensor.cpp) cannot be hashed: it was read for these
 # torch versions only
-_AUDITED_CPP = ("2.13.0", "2.14.1")
+_AUDITED_CPP = ("2.12.1", "2.13.0", "2.14.1")
 
 # the two queries of _broadcast_in_dim_meta answered without a guard
 _BROADCAST_DIM_QUERIES = (

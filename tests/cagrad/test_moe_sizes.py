@@ -122,8 +122,8 @@ def test_varying_expert_counts_settle_at_two_captures():
 
 
 @pytest.mark.skipif(
-    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
-    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only; "
+    torch.__version__.split("+")[0] not in ("2.12.1", "2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.12.1, 2.13.0 and 2.14.1 only; "
     "other versions guard sizes of 1 as before (sound, one more capture)",
 )
 def test_expert_counts_of_one_settle_at_two_captures():
@@ -139,8 +139,8 @@ def test_expert_counts_of_one_settle_at_two_captures():
 
 
 @pytest.mark.skipif(
-    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
-    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only; "
+    torch.__version__.split("+")[0] not in ("2.12.1", "2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.12.1, 2.13.0 and 2.14.1 only; "
     "other versions specialize sizes of 0 (sound, more captures)",
 )
 @pytest.mark.parametrize("seed", [2, 3])
@@ -174,8 +174,8 @@ def no_inductor_caches():
 
 
 @pytest.mark.skipif(
-    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
-    reason="cagrad.capture.backend_queries recognizes the sources of torch 2.13.0 and 2.14.1 only",
+    torch.__version__.split("+")[0] not in ("2.12.1", "2.13.0", "2.14.1"),
+    reason="cagrad.capture.backend_queries recognizes the sources of torch 2.12.1, 2.13.0 and 2.14.1 only",
 )
 def test_inductor_expert_counts_of_zero_and_one_need_no_third_capture(monkeypatch, no_inductor_caches):
     """Under inductor, steps whose counts put 0 and 1 on different experts
@@ -197,8 +197,8 @@ def test_inductor_expert_counts_of_zero_and_one_need_no_third_capture(monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
-    reason="cagrad.capture.backend_queries recognizes the sources of torch 2.13.0 and 2.14.1 only",
+    torch.__version__.split("+")[0] not in ("2.12.1", "2.13.0", "2.14.1"),
+    reason="cagrad.capture.backend_queries recognizes the sources of torch 2.12.1, 2.13.0 and 2.14.1 only",
 )
 def test_inductor_expert_counts_of_zero_and_one_settle_at_two_captures(monkeypatch, no_inductor_caches):
     """The 50 steps of counts 0 to 8 (seed 2) under inductor as cagrad

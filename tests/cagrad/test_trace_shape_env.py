@@ -164,11 +164,11 @@ def test_new_dimension_of_size_one_in_expand_is_guarded(env):
 
 @pytest.mark.skipif(
     tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 15),
-    reason="the sources were read for torch 2.13 and 2.14",
+    reason="the sources were read for torch 2.12 to 2.14",
 )
 @pytest.mark.skipif(
-    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
-    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only; "
+    torch.__version__.split("+")[0] not in ("2.12.1", "2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.12.1, 2.13.0 and 2.14.1 only; "
     "other versions guard sizes of 1 as before (sound, one more capture)",
 )
 def test_the_sources_read_are_recognized():
@@ -184,8 +184,8 @@ def test_the_sources_read_are_recognized():
 
 
 _AUDITED_TORCH = pytest.mark.skipif(
-    torch.__version__.split("+")[0] not in ("2.13.0", "2.14.1"),
-    reason="cagrad.capture.shape_env recognizes the sources of torch 2.13.0 and 2.14.1 only",
+    torch.__version__.split("+")[0] not in ("2.12.1", "2.13.0", "2.14.1"),
+    reason="cagrad.capture.shape_env recognizes the sources of torch 2.12.1, 2.13.0 and 2.14.1 only",
 )
 
 
