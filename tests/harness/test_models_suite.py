@@ -27,6 +27,8 @@ from harness.models.outcome import RowOutcome, RowStatus
 from harness.models.row import Setup
 from harness.subjects import EagerSubject, make_subject
 
+from .planted import KeepsWhatEagerFrees
+
 #: The CI subset: one row per library, cheap on 2 cores, with the subjects
 #: cheap for it (the rest run under ``tox -e models``): timm_convnext's
 #: aot_eager compile alone took 41 s on the shared machine.
@@ -207,38 +209,6 @@ def test_judge_sees_accumulation_into_another_tensor(after, where: str) -> None:
     assert o.mismatches[0].where == where, o.describe()
 
 
-_LEAKED: list[torch.Tensor] = []
-
-
-class _PatchedBackward(EagerSubject):
-    """Eager autograd with ``torch.autograd.backward`` wrapped while active:
-    ``retain_graph=True`` forced (the graph's saved tensors outlive the
-    backward, as a runtime holding its own references to them would keep
-    them), or each loss kept in a module list (a cache that outlives the
-    model)."""
-
-    def __init__(self, name: str, keep_graph: bool) -> None:
-        super().__init__(name)
-        self.keep_graph = keep_graph
-
-    @contextlib.contextmanager
-    def active(self):
-        real = torch.autograd.backward
-
-        def backward(tensors, grad_tensors=None, retain_graph=None, *args, **kwargs):
-            if self.keep_graph:
-                retain_graph = True
-            else:
-                _LEAKED.append(tensors)
-            return real(tensors, grad_tensors, retain_graph, *args, **kwargs)
-
-        torch.autograd.backward = backward
-        try:
-            yield
-        finally:
-            torch.autograd.backward = real
-
-
 @pytest.mark.parametrize(
     ("name", "where", "detail"),
     [
@@ -249,11 +219,8 @@ class _PatchedBackward(EagerSubject):
     ],
 )
 def test_judge_sees_tensors_left_alive(name: str, where: str, detail: str) -> None:
-    try:
-        subject = _PatchedBackward(name, keep_graph=name == "keeps-saved")
-        o = _only(run_row(registry.get("plain_mlp_dropout"), [subject], torch.device("cpu")))
-    finally:
-        _LEAKED.clear()
+    subject = KeepsWhatEagerFrees(name, keep_graph=name == "keeps-saved")
+    o = _only(run_row(registry.get("plain_mlp_dropout"), [subject], torch.device("cpu")))
     assert o.status is RowStatus.MISMATCH, o.describe()
     assert all(m.where.endswith("lifetime") for m in o.mismatches), o.describe()  # values and state agree
     assert o.mismatches[0].where == where, o.describe()

@@ -31,6 +31,8 @@ from harness.stacks import (
 from harness.stacks.cli import stacks as stacks_command
 from harness.subjects import EagerSubject, make_subject
 
+from .planted import KeepsWhatEagerFrees
+
 CPU = torch.device("cpu")
 TIMEOUT_S = 120.0
 
@@ -240,38 +242,6 @@ def test_a_subject_that_draws_is_caught_at_the_first_backward():
     assert [m.where for m in outcome.mismatches] == [f"rng after backward {k}['cpu_rng']" for k in range(3)]
 
 
-_KEPT: list = []
-
-
-class KeepsWhatEagerFrees(EagerSubject):
-    """Test-only: eager autograd with ``torch.autograd.backward`` wrapped
-    while active: ``retain_graph=True`` forced (the saved tensors outlive
-    the backward while the stack holds its loss, as a runtime holding its
-    own references to them would keep them), or each loss kept in a module
-    list (a cache that outlives the stack)."""
-
-    def __init__(self, keep_graph: bool) -> None:
-        super().__init__("keeps_graph" if keep_graph else "keeps_losses")
-        self.keep_graph = keep_graph
-
-    @contextlib.contextmanager
-    def active(self):
-        real = torch.autograd.backward
-
-        def backward(tensors, grad_tensors=None, retain_graph=None, *args, **kwargs):
-            if self.keep_graph:
-                retain_graph = True
-            else:
-                _KEPT.append(tensors)
-            return real(tensors, grad_tensors, retain_graph, *args, **kwargs)
-
-        torch.autograd.backward = backward
-        try:
-            yield
-        finally:
-            torch.autograd.backward = real
-
-
 @pytest.mark.parametrize(
     ("keep_graph", "where", "detail"),
     [
@@ -284,10 +254,7 @@ class KeepsWhatEagerFrees(EagerSubject):
     ],
 )
 def test_storages_a_subject_keeps_alive_are_a_lifetime_mismatch(keep_graph, where, detail):
-    try:
-        outcome = only("mlp_sgd", KeepsWhatEagerFrees(keep_graph))
-    finally:
-        _KEPT.clear()
+    outcome = only("mlp_sgd", KeepsWhatEagerFrees("keeps-graph" if keep_graph else "keeps-losses", keep_graph))
     assert outcome.status is StackStatus.MISMATCH, outcome.describe()
     assert all(m.where.endswith(".lifetime") for m in outcome.mismatches), outcome.describe()  # values agree
     assert outcome.mismatches[0].where == where and outcome.mismatches[0].detail.startswith(detail), outcome.describe()

@@ -1,0 +1,1 @@
+"""Tests of the harness: oracle, subjects, stacks, models, bench."""
