@@ -49,10 +49,10 @@ def execute(
     try:
         subject.reset()
         before = subject.counters()
-        noting = (storages, collector_paused()) if storages is not None else ()
-        with seeded(device, seed), contextlib.ExitStack() as modes:
-            for mode in noting:
-                modes.enter_context(mode)
+        with seeded(device, seed), contextlib.ExitStack() as noting:
+            if storages is not None:
+                noting.enter_context(collector_paused())
+                noting.enter_context(storages)
             stack.fn(ctx)
             synchronize(device)
         if storages is not None:

@@ -93,6 +93,11 @@ class StackContext:
             (0 and 1 for a single-process stack).
         results: name -> recorded value, in recording order.
         engine_entries: how many times :meth:`engine` was entered.
+        storages: the :class:`~harness.lifetimes.ForwardStorages` mode the
+            stack runs in (:mod:`harness.stacks.execute`), or ``None``
+            where lifetimes are not recorded.
+        lifetimes: ``(where, Lifetimes)`` noted after each main-thread
+            backward (``backward<k>``); the runner adds ``end``.
     """
 
     def __init__(
@@ -136,7 +141,7 @@ class StackContext:
         With :attr:`storages` (a :class:`~harness.lifetimes.ForwardStorages`
         around the whole stack), the mode is paused inside, and leaving on
         the main thread also notes which of the stack's storages are alive
-        (:attr:`lifetimes`, ``backward <k>``)."""
+        (:attr:`lifetimes`, ``backward<k>``)."""
         with self._lock:
             self.engine_entries += 1
         with self._unnoted(), self.subject.active():
