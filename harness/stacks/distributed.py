@@ -3,8 +3,8 @@ each running eager's reference and then every subject, in one process group
 per spawn.
 
 Process group: NCCL with one GPU per rank when the device is CUDA and the
-machine has a GPU for every rank, else gloo on the CPU. The port is a free
-one (bound to port 0 on 127.0.0.1 first). Ranks report each run through a
+machine has a GPU for every rank, else gloo on the CPU, joined through
+rank 0's ``TCPStore`` on a port the kernel picks (:func:`rendezvous`). Ranks report each run through a
 queue as it finishes (values serialized with ``torch.save``, tensors moved
 to the CPU). A rank stops after a run that raised; the parent then waits a
 short grace for the other ranks, kills what is left, and spawns anew for the
@@ -23,7 +23,6 @@ import datetime
 import io
 import os
 import queue as queue_module
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,11 +44,28 @@ STARTUP_S = 60.0
 GRACE_S = 15.0
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(rank: int, world: int, ports: Any, timeout: datetime.timedelta) -> Any:
+    """The process group's ``TCPStore`` on 127.0.0.1, made without a race on
+    its port: rank 0's store binds port 0 (the kernel picks a free one) and
+    hands the port to the other ranks through ``ports`` (a multiprocessing
+    queue), once per rank. A port picked by the parent and bound later by
+    rank 0 could be taken in between by another test's ranks, which the
+    suite's parallel workers (pytest-xdist) make possible.
+
+    Raises:
+        queue.Empty: rank 0 did not hand out its port within ``timeout``.
+    """
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        for _ in range(world - 1):
+            ports.put(store.port)
+    else:
+        port = ports.get(timeout=timeout.total_seconds())
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # for code that reads it; the group uses the store
+    return store
 
 
 def process_group_backend(device: torch.device, world_size: int) -> tuple[str, str]:
@@ -97,10 +113,9 @@ def run_distributed(
     pending = list(range(len(steps)))
     spawn = mp.get_context("spawn")
     while pending:
-        results = spawn.Queue()
-        port = free_port()
+        results, ports = spawn.Queue(), spawn.Queue()
         todo = [(i, steps[i]) for i in pending]
-        args = (world, port, pg_backend, device_type, stack.name, stack.fn.__module__, todo, seed, timeout, results)
+        args = (world, ports, pg_backend, device_type, stack.name, stack.fn.__module__, todo, seed, timeout, results)
         procs = [
             spawn.Process(target=rank_main, args=(rank, *args), daemon=True, name=f"{stack.name}-rank{rank}")
             for rank in range(world)
@@ -112,6 +127,7 @@ def run_distributed(
         finally:
             _end(procs)
             results.close()
+            ports.close()
         pending = pending[finished:]
     return done[0], [done[i] for i in range(1, len(steps))]
 
@@ -209,7 +225,7 @@ def _to_cpu(value: Any) -> Any:
 def rank_main(
     rank: int,
     world: int,
-    port: int,
+    ports: Any,
     pg_backend: str,
     device_type: str,
     stack_name: str,
@@ -229,7 +245,6 @@ def rank_main(
     from harness.stacks.execute import execute
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     try:
         if device_type == "cuda":
             torch.cuda.set_device(rank)
@@ -243,9 +258,8 @@ def rank_main(
             inductor_config.compile_threads = 1  # no compile worker pool per rank
         except Exception:  # noqa: BLE001
             pass
-        dist.init_process_group(
-            pg_backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=max(timeout, 10.0))
-        )
+        wait = datetime.timedelta(seconds=max(timeout, 10.0))
+        dist.init_process_group(pg_backend, store=rendezvous(rank, world, ports, wait), rank=rank, world_size=world, timeout=wait)
         for _, subject in steps:
             subject.prepare()
         stack = registry.get(stack_name, stack_module)

@@ -125,15 +125,18 @@ def _max_diff(a: list, b: list) -> float:
     return worst
 
 
-def run(rank: int, world: int, port: int, cases: list[tuple[str, str, str]], results: Any) -> None:
+def run(rank: int, world: int, ports: Any, cases: list[tuple[str, str, str]], results: Any) -> None:
     """Runs ``cases`` (``(stack, variant, backend)``) on this rank; puts
-    ``(rank, {case: (max_diff, counters)})`` or ``(rank, error text)``."""
+    ``(rank, {case: (max_diff, counters)})`` or ``(rank, error text)``.
+    ``ports``: the queue rank 0 hands its store's port through
+    (:func:`harness.stacks.distributed.rendezvous`)."""
     try:
         import cagrad
+        from harness.stacks.distributed import rendezvous
 
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        wait = datetime.timedelta(seconds=60)
+        dist.init_process_group("gloo", store=rendezvous(rank, world, ports, wait), rank=rank, world_size=world, timeout=wait)
         report = {}
         for stack, variant, backend in cases:
             steps = _ddp_steps if stack == "ddp" else _fsdp_steps

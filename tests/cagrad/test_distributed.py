@@ -1,6 +1,6 @@
 """DDP and FSDP2 under cagrad: every rank's gradients equal eager's, compiled.
 
-Two processes (spawned, gloo on 127.0.0.1, a free port) train the same
+Two processes (spawned, gloo on 127.0.0.1, rank 0's store on a port the kernel picks) train the same
 model on different data, in eager and under ``cagrad.enable``, for the DDP
 variants (default, ``static_graph``, ``find_unused_parameters``,
 ``no_sync()`` accumulation, the reducer's hooks in two groups and one by
@@ -15,7 +15,6 @@ the hit guard (:mod:`cagrad.keys.leaf_hooks`).
 from __future__ import annotations
 
 import queue
-import socket
 import sys
 
 import pytest
@@ -46,19 +45,12 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports() -> dict[int, dict]:
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
+    results, ports = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=distributed_worker.run, args=(rank, WORLD, port, CASES, results), daemon=True)
+        ctx.Process(target=distributed_worker.run, args=(rank, WORLD, ports, CASES, results), daemon=True)
         for rank in range(WORLD)
     ]
     for p in procs:

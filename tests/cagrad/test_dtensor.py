@@ -11,7 +11,6 @@ the ``tensor_parallel`` stack (tests/harness/test_stacks.py).
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -25,15 +24,10 @@ dtensor = pytest.importorskip("torch.distributed.tensor")
 Shard, Replicate = dtensor.Shard, dtensor.Replicate
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mesh():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # one rank: an in-process store, no port (suite workers run side by side)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dtensor.init_device_mesh("cpu", (1,))
     finally:
