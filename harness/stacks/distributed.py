@@ -4,8 +4,8 @@ per spawn.
 
 Process group: NCCL with one GPU per rank when the device is CUDA and the
 machine has a GPU for every rank, else gloo on the CPU, joined through
-rank 0's ``TCPStore`` on a port the kernel picks (:func:`rendezvous`). Ranks report each run through a
-queue as it finishes (values serialized with ``torch.save``, tensors moved
+rank 0's ``TCPStore`` on a port the kernel picks (:func:`rendezvous`).
+Ranks report each run through a queue as it finishes (values serialized with ``torch.save``, tensors moved
 to the CPU). A rank stops after a run that raised; the parent then waits a
 short grace for the other ranks, kills what is left, and spawns anew for the
 runs not done yet. Bounded time: every run must report within ``timeout``
