@@ -3,8 +3,8 @@
 Two processes (spawned, gloo on 127.0.0.1, rank 0's store on a port the
 kernel picks) train the same model on different data, in eager and under
 ``cagrad.enable``, for the DDP variants (default, ``static_graph``,
-``find_unused_parameters``, ``no_sync()`` accumulation, the reducer's hooks in two groups and one by
-one, python-reducer mode) and FSDP2 (``fully_shard``, with and without
+``find_unused_parameters``, ``no_sync()`` accumulation, the reducer's
+hooks in two groups and one by one, python-reducer mode) and FSDP2 (``fully_shard``, with and without
 ``reshard_after_forward``, and gradient accumulation). DDP's reducer hooks
 are C++ hooks that cagrad runs as opaque calls: skipping them leaves each
 rank with its local gradient, which differs from eager's by far more than
