@@ -165,7 +165,7 @@ def _collect(
         ranks = []
         for r, p in enumerate(procs):
             if r in got:
-                ranks.append(RankRun(results=got[r]["results"], error=got[r]["error"], lifetimes=got[r]["lifetimes"]))
+                ranks.append(RankRun(results=got[r]["results"], error=got[r]["error"]))
             elif p.is_alive():
                 message = f"did not report within {waited:.0f} s; killed"
                 ranks.append(RankRun(error=ErrorInfo("TimeoutError", message, "")))
@@ -273,7 +273,6 @@ def rank_main(
             payload = {
                 "results": rank_run.results,
                 "error": rank_run.error,
-                "lifetimes": rank_run.lifetimes,
                 "counts": run.counts,
                 "fallback_reasons": run.fallback_reasons,
                 "engine_entries": run.engine_entries,

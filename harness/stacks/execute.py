@@ -7,8 +7,8 @@ The run of a single-process stack also records lifetimes
 backward and each recording (:meth:`StackContext.engine`), with Python's
 cyclic collector paused, so that the storages noted are the ones the
 stack's own code makes on the main thread (forwards, losses, optimizer
-steps; a distributed stack's forward collectives), labelled alike under
-every subject. Which of them are alive is read after each backward and
+steps), labelled alike under every subject. A distributed rank records
+none (see the comment in :func:`execute`). Which of them are alive is read after each backward and
 once the stack has returned (everything it built dropped).
 """
 
